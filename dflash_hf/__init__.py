@@ -1,0 +1,41 @@
+"""dflash-hf: DFlash block-diffusion speculative decoding for Hugging Face Transformers.
+
+    >>> import dflash_hf
+    >>> drafter = dflash_hf.DFlashDraftModel.from_pretrained("org/dflash-drafter")
+    >>> out = dflash_hf.generate(target, drafter, input_ids, max_new_tokens=128)
+    >>> out = target.generate(**inputs, assistant_model=drafter, speculation_type="dflash")  # native path
+"""
+
+from transformers import AutoConfig, AutoModel
+
+from .adapters import SUPPORTED_TARGET_TYPES, TargetAdapter
+from .generation import DFlashGenerateOutput, custom_generate, generate
+from .modeling import DFlashConfig, DFlashDraftModel, DFlashPreTrainedModel, default_target_layer_ids
+
+__version__ = "0.1.0"
+
+
+def _register_auto_classes() -> None:
+    """Make `AutoConfig`/`AutoModel` resolve `model_type="dflash"`, and `save_pretrained` write `auto_map`."""
+    try:
+        AutoConfig.register(DFlashConfig.model_type, DFlashConfig)
+        AutoModel.register(DFlashConfig, DFlashDraftModel)
+    except ValueError:  # already registered (module re-import)
+        pass
+    DFlashConfig.register_for_auto_class("AutoConfig")
+    DFlashDraftModel.register_for_auto_class("AutoModel")
+
+
+_register_auto_classes()
+
+__all__ = [
+    "SUPPORTED_TARGET_TYPES",
+    "DFlashConfig",
+    "DFlashDraftModel",
+    "DFlashGenerateOutput",
+    "DFlashPreTrainedModel",
+    "TargetAdapter",
+    "custom_generate",
+    "default_target_layer_ids",
+    "generate",
+]

@@ -1,0 +1,142 @@
+"""Target adapters: one object that knows how to run a target LLM for DFlash.
+
+It captures only the tapped decoder layers (forward hooks, no `output_hidden_states`), computes LM-head logits only
+where the caller needs them, embeds block tokens with the target's own (possibly scaled) embedding and applies the
+target's final-logit softcapping.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
+
+from .modeling import DFlashDraftModel
+
+SUPPORTED_TARGET_TYPES: dict[str, str] = {
+    "qwen3": "Qwen3",
+    "qwen2": "Qwen2",
+    "llama": "LLaMA (incl. SmolLM2)",
+    "mistral": "Mistral",
+    "gemma3_text": "Gemma 3 (text)",
+}
+
+
+def _supported_list() -> str:
+    return ", ".join(f"{name} (`{key}`)" for key, name in SUPPORTED_TARGET_TYPES.items())
+
+
+@dataclass
+class TargetStep:
+    """Result of one target forward: final normed hidden states and the concatenated tapped layer outputs."""
+
+    last_hidden_state: torch.Tensor
+    tapped_hidden_states: torch.Tensor
+
+
+class TargetAdapter:
+    """Runs a supported decoder-only target for DFlash drafting and verification."""
+
+    def __init__(self, target: PreTrainedModel, target_layer_ids: list[int]) -> None:
+        config = target.config
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_TARGET_TYPES:
+            raise ValueError(
+                f"Unsupported target architecture `{model_type}` ({type(target).__name__}). "
+                f"Supported targets: {_supported_list()}."
+            )
+        self.target = target
+        self.config = config
+        self.base_model: nn.Module = target.get_decoder() if hasattr(target, "get_decoder") else target.model
+        self.layers: nn.ModuleList = self.base_model.layers
+        self.lm_head: nn.Linear = target.get_output_embeddings()
+        self.embed_tokens: nn.Module = target.get_input_embeddings()
+        self.softcap: float | None = getattr(config, "final_logit_softcapping", None)
+        num_layers = len(self.layers)
+        for layer_id in target_layer_ids:
+            if not 0 <= layer_id < num_layers:
+                raise ValueError(
+                    f"target_layer_ids {list(target_layer_ids)} is out of range for this {num_layers}-layer "
+                    f"target (valid ids: 0..{num_layers - 1})."
+                )
+        self.target_layer_ids = list(target_layer_ids)
+        params = inspect.signature(self.base_model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.embed_tokens.weight.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    def check_drafter(self, drafter: DFlashDraftModel) -> None:
+        """Raise a `ValueError` if `drafter` was not built for this target."""
+        dconf = drafter.config
+        if int(dconf.hidden_size) != self.hidden_size:
+            raise ValueError(
+                f"Drafter hidden size {dconf.hidden_size} does not match the target's {self.hidden_size}: a DFlash "
+                "drafter shares the target's embedding and LM head, so it must be built for this target "
+                "(`DFlashConfig.from_target(target.config)`)."
+            )
+        if dconf.vocab_size is not None and int(dconf.vocab_size) != self.vocab_size:
+            raise ValueError(
+                f"Drafter vocab size {dconf.vocab_size} does not match the target embedding's {self.vocab_size} "
+                "rows: this drafter was built for a different target."
+            )
+        if not 0 <= int(dconf.mask_token_id) < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id {dconf.mask_token_id} is not a row of the target embedding ({self.vocab_size} rows)."
+            )
+
+    def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        """Embed ids with the target's input embedding (Gemma's sqrt(H) scaling included)."""
+        return self.embed_tokens(input_ids)
+
+    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Project final hidden states with the target's LM head (+ softcapping) in float32."""
+        logits = self.lm_head(hidden_states.to(self.lm_head.weight.dtype)).float()
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.LongTensor,
+        cache: Cache,
+    ) -> TargetStep:
+        """Run the base decoder on `input_ids`, appending to `cache`, and return normed + tapped hidden states."""
+        captured: dict[int, torch.Tensor] = {}
+
+        def make_hook(layer_id: int):
+            def hook(_module, _inputs, output):
+                captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+            return hook
+
+        handles = [self.layers[i].register_forward_hook(make_hook(i)) for i in self.target_layer_ids]
+        try:
+            outputs = self.base_model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=True,
+                **{self._cache_kwarg: cache},
+            )
+        finally:
+            for handle in handles:
+                handle.remove()
+        tapped = torch.cat([captured[i] for i in self.target_layer_ids], dim=-1)
+        return TargetStep(last_hidden_state=outputs.last_hidden_state, tapped_hidden_states=tapped)

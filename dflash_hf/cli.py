@@ -1,0 +1,44 @@
+"""`dflash-hf` command line: one sub-command per module in `dflash_hf.commands`.
+
+Every sub-command module exposes `register(subparsers)`, which adds its parser and sets `func` (a callable taking
+the parsed arguments and returning an exit code). Bad input ends with one `error: ...` line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# sub-command name -> module implementing it
+COMMAND_MODULES: dict[str, str] = {}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dflash-hf", description="DFlash block-diffusion speculative decoding for Hugging Face Transformers."
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in COMMAND_MODULES.values():
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, FileExistsError, PermissionError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

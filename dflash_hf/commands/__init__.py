@@ -1,0 +1,1 @@
+"""Sub-commands of the `dflash-hf` CLI (see `dflash_hf.cli`)."""

@@ -1,0 +1,439 @@
+"""Lossless DFlash speculative generation.
+
+Each cycle the drafter fills a block `[anchor, MASK * (B-1)]` in one forward pass, the target verifies the block in
+one forward pass and every row keeps its own longest acceptable prefix plus one target token. Works for batches of
+left-padded prompts: rows that commit different numbers of tokens are re-aligned to the right so that both KV caches
+stay contiguous (which also keeps sliding-window attention exact).
+
+Entry points:
+
+* `generate(target, drafter, input_ids, ...)`: like `model.generate`, returns a tensor or, with
+  `return_dict_in_generate=True`, a [`DFlashGenerateOutput`] with statistics.
+* `custom_generate`: the same loop as a Transformers `custom_generate` callable:
+  `target.generate(**inputs, custom_generate=dflash_hf.custom_generate, drafter=drafter)`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+from .acceptance import greedy_accept, rejection_sample
+from .adapters import TargetAdapter
+from .cache_ops import select_rows, shift_cache_right, shift_right, truncate_cache
+from .modeling import DFlashDraftModel
+from .processing import BlockLogitsProcessor
+
+
+@dataclass
+class DFlashGenerateOutput:
+    """Output of DFlash generation with `return_dict_in_generate=True`.
+
+    Attributes:
+        sequences: `(batch, prompt + generated)` ids, finished rows right-padded with the pad token.
+        accepted_lengths: per row, the number of tokens committed in each verify cycle (accepted drafts + 1).
+        cycles: number of target verify forwards per row.
+        tau: mean tokens committed per verify forward over all rows and cycles.
+        draft_time / verify_time / prefill_time: seconds spent in drafter forwards, target verify forwards and the
+            target prefill.
+        block_size: block size used.
+    """
+
+    sequences: torch.LongTensor | None = None
+    accepted_lengths: list[list[int]] = field(default_factory=list)
+    cycles: list[int] = field(default_factory=list)
+    tau: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    prefill_time: float = 0.0
+    block_size: int = 0
+
+    @property
+    def acceptance_rate_by_slot(self) -> list[float]:
+        """Fraction of cycles in which draft slot `i` (1-based) was accepted, for `i = 1..block_size-1`."""
+        lengths = [n for row in self.accepted_lengths for n in row]
+        if not lengths or self.block_size < 2:
+            return []
+        return [sum(n > slot for n in lengths) / len(lengths) for slot in range(1, self.block_size)]
+
+
+class _Timer:
+    """Accumulates wall time of a code region, synchronising CUDA so the numbers mean something."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.sync = device.type == "cuda"
+        self.total = 0.0
+
+    def __enter__(self):
+        if self.sync:
+            torch.cuda.synchronize()
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.sync:
+            torch.cuda.synchronize()
+        self.total += time.perf_counter() - self._start
+
+
+def _check_request(input_ids: torch.Tensor, generation_config: GenerationConfig) -> None:
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(
+            f"DFlash generation needs a non-empty prompt of shape (batch, length), got {tuple(input_ids.shape)}: "
+            "pass at least one token (e.g. the BOS token or a chat-templated prompt)."
+        )
+    for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
+        if getattr(generation_config, flag, False):
+            raise ValueError(
+                f"`{flag}=True` is not supported by DFlash generation; drop it (statistics come with "
+                "`return_dict_in_generate=True`)."
+            )
+    if getattr(generation_config, "num_beams", 1) not in (None, 1):
+        raise ValueError("DFlash generation does not support beam search: use num_beams=1.")
+
+
+def _resolve_block_size(drafter: DFlashDraftModel, block_size: int | None) -> int:
+    trained = int(drafter.config.block_size)
+    if block_size is None:
+        return trained
+    block_size = int(block_size)
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2 (anchor + at least one drafted token), got {block_size}.")
+    if block_size > trained:
+        raise ValueError(
+            f"block_size {block_size} exceeds the drafter's trained block size {trained}; drafters generalise to "
+            "smaller blocks, not larger ones."
+        )
+    return block_size
+
+
+class _Decoder:
+    """State and steps of one DFlash generation call (see the module docstring for the layout)."""
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        drafter: DFlashDraftModel,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None,
+        logits_processor: LogitsProcessorList | None,
+        stopping_criteria: StoppingCriteriaList,
+        generation_config: GenerationConfig,
+        streamer,
+        block_size: int,
+    ) -> None:
+        if not isinstance(drafter, DFlashDraftModel) and type(drafter).__name__ != "DFlashDraftModel":
+            raise ValueError(f"`drafter` must be a DFlashDraftModel, got {type(drafter).__name__}.")
+        self.adapter = TargetAdapter(target, drafter.config.target_layer_ids)
+        self.adapter.check_drafter(drafter)
+        self.drafter = drafter
+        self.block = block_size
+        self.device = input_ids.device
+        self.do_sample = bool(generation_config.do_sample)
+        self.process = BlockLogitsProcessor(logits_processor)
+        self.stopping_criteria = stopping_criteria
+        self.streamer = streamer
+        self.mask_token_id = int(drafter.config.mask_token_id)
+        pad = getattr(generation_config, "_pad_token_tensor", None)
+        if pad is None:
+            pad = generation_config.pad_token_id
+        if pad is None:
+            eos = generation_config.eos_token_id
+            pad = eos[0] if isinstance(eos, list) else eos
+        self.pad_token_id = int(pad) if pad is not None else 0
+
+        batch, prompt_len = input_ids.shape
+        self.batch = batch
+        self.prompt_len = prompt_len
+        self.max_length = int(generation_config.max_length)
+        width = max(self.max_length, prompt_len) + self.block + 1
+        self.sequences = torch.full((batch, width), self.pad_token_id, dtype=torch.long, device=self.device)
+        self.sequences[:, :prompt_len] = input_ids
+        self.lengths = [prompt_len] * batch
+        self.finished = [False] * batch
+        self.accepted_lengths: list[list[int]] = [[] for _ in range(batch)]
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        self.prompt_mask = attention_mask.to(torch.long)
+
+        self.draft_timer = _Timer(self.device)
+        self.verify_timer = _Timer(self.device)
+        self.prefill_timer = _Timer(self.device)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # token selection
+    def _row_prefixes(self, rows: list[int], block_tokens: torch.LongTensor) -> list[torch.LongTensor]:
+        """Per active row: its sequence so far followed by `block_tokens[i, 1:]` (the anchor is already in it)."""
+        prefixes = []
+        for i, row in enumerate(rows):
+            prefixes.append(torch.cat([self.sequences[row, : self.lengths[row]], block_tokens[i, 1:]]))
+        return prefixes
+
+    def _first_token(self, logits: torch.Tensor) -> torch.LongTensor:
+        prefixes = [self.sequences[row, : self.lengths[row]] for row in range(self.batch)]
+        scores = self.process(logits[:, None, :], prefixes)[:, 0]
+        if self.do_sample:
+            return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        return scores.argmax(dim=-1)
+
+    def _propose(self, draft_logits: torch.Tensor, rows: list[int], anchors: torch.LongTensor):
+        """Draft tokens (and their proposal distributions when sampling) from per-slot drafter logits."""
+        if self.process.is_identity or self.process.prefix_free:
+            dummy = [self.sequences[rows[0], : self.lengths[rows[0]]]]
+            scores = self.process(draft_logits, dummy * len(rows))
+            if not self.do_sample:
+                return scores.argmax(dim=-1), None
+            probs = torch.softmax(scores, dim=-1)
+            flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), num_samples=1)
+            return flat.view(probs.shape[:2]), probs
+        # prefix-dependent processors: slot j's scores depend on the tokens drafted before it
+        batch, slots, _ = draft_logits.shape
+        tokens = torch.empty(batch, slots, dtype=torch.long, device=draft_logits.device)
+        probs = torch.empty_like(draft_logits) if self.do_sample else None
+        for i, row in enumerate(rows):
+            sequence = self.sequences[row, : self.lengths[row]]
+            for slot in range(slots):
+                prefix = torch.cat([sequence, tokens[i, :slot]])
+                scores = self.process.processors(prefix[None], draft_logits[i, slot][None])[0]
+                if self.do_sample:
+                    probs[i, slot] = torch.softmax(scores, dim=-1)
+                    tokens[i, slot] = torch.multinomial(probs[i, slot], num_samples=1)[0]
+                else:
+                    tokens[i, slot] = scores.argmax()
+        return tokens, probs
+
+    def _verify(self, target_logits: torch.Tensor, block_tokens, draft_tokens, draft_probs, rows):
+        scores = self.process(target_logits, self._row_prefixes(rows, block_tokens))
+        if self.do_sample:
+            return rejection_sample(draft_tokens, draft_probs, torch.softmax(scores, dim=-1))
+        return greedy_accept(draft_tokens, scores.argmax(dim=-1))
+
+    # ----------------------------------------------------------------------------------------------------------
+    # emission
+    def _emit(self, row: int, tokens: list[int]) -> int:
+        """Append `tokens` to `row` until a stopping criterion fires; returns how many were appended."""
+        emitted = 0
+        for token in tokens:
+            position = self.lengths[row]
+            self.sequences[row, position] = token
+            self.lengths[row] = position + 1
+            emitted += 1
+            done = self.lengths[row] >= self.max_length
+            if not done and len(self.stopping_criteria) > 0:
+                done = bool(self.stopping_criteria(self.sequences[row : row + 1, : self.lengths[row]], None)[0])
+            if done:
+                self.finished[row] = True
+                break
+        if self.streamer is not None and emitted:
+            start = self.lengths[row] - emitted
+            self.streamer.put(self.sequences[row : row + 1, start : self.lengths[row]].cpu())
+        return emitted
+
+    # ----------------------------------------------------------------------------------------------------------
+    def run(self) -> DFlashGenerateOutput:
+        adapter, drafter, block = self.adapter, self.drafter, self.block
+        device = self.device
+        target_cache, draft_cache = DynamicCache(), DynamicCache()
+
+        # 1. prefill
+        mask = self.prompt_mask
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        with self.prefill_timer:
+            step = adapter.forward(self.sequences[:, : self.prompt_len], self._mask_or_none(mask), positions, target_cache)
+            first = self._first_token(adapter.logits(step.last_hidden_state[:, -1]))
+        rows = list(range(self.batch))
+        for row, token in zip(rows, first.tolist()):
+            self._emit(row, [token])
+
+        anchors = first
+        committed = mask.sum(-1)  # tokens in the caches per row (real ones, pads excluded)
+        pending_ctx = step.tapped_hidden_states  # context not yet seen by the drafter
+        pending_pos = positions
+        pending_shift = torch.zeros(self.batch, dtype=torch.long, device=device)
+        slots = torch.arange(block, device=device)
+        mask_ids = torch.full((1, block - 1), self.mask_token_id, dtype=torch.long, device=device)
+
+        rows, anchors, committed, mask, pending_ctx, pending_pos, pending_shift = self._drop_finished(
+            rows, anchors, committed, mask, pending_ctx, pending_pos, pending_shift, target_cache, draft_cache
+        )
+        while rows:
+            # 2. draft: the new context enters the draft cache, the block's K/V are dropped right after
+            block_ids = torch.cat([anchors[:, None], mask_ids.expand(len(rows), -1)], dim=1)
+            block_pos = committed[:, None] + slots[None, :]
+            with self.draft_timer:
+                draft_mask = torch.cat([mask, torch.ones_like(block_ids)], dim=1)
+                out = drafter(
+                    noise_embeds=adapter.embed(block_ids),
+                    context_hidden_states=pending_ctx,
+                    position_ids=torch.cat([pending_pos, block_pos], dim=1),
+                    attention_mask=self._mask_or_none(draft_mask),
+                    past_key_values=draft_cache,
+                )
+                truncate_cache(draft_cache, mask.shape[1])
+                draft_logits = adapter.logits(out.last_hidden_state[:, 1:])
+                draft_tokens, draft_probs = self._propose(draft_logits, rows, anchors)
+
+            # 3. re-align rows that committed fewer tokens last cycle (both caches now have the same layout)
+            if bool(pending_shift.any()):
+                shift_cache_right(target_cache, pending_shift)
+                shift_cache_right(draft_cache, pending_shift)
+                mask = shift_right(mask, pending_shift, dim=1)
+                mask[torch.arange(mask.shape[1], device=device)[None, :] < pending_shift[:, None]] = 0
+
+            # 4. verify the whole block in one target forward
+            block_ids = torch.cat([anchors[:, None], draft_tokens], dim=1)
+            with self.verify_timer:
+                verify_mask = torch.cat([mask, torch.ones_like(block_ids)], dim=1)
+                step = adapter.forward(block_ids, self._mask_or_none(verify_mask), block_pos, target_cache)
+                target_logits = adapter.logits(step.last_hidden_state)
+                accepted, next_tokens = self._verify(target_logits, block_ids, draft_tokens, draft_probs, rows)
+
+            # 5. commit: anchor + accepted drafts enter the caches, the target's token becomes the next anchor
+            kept = accepted + 1
+            width = int(kept.max())
+            truncate_cache(target_cache, mask.shape[1] + width)
+            kept_mask = (slots[None, :width] < kept[:, None]).to(mask.dtype)
+            mask = torch.cat([mask, kept_mask], dim=1)
+            pending_ctx = step.tapped_hidden_states[:, :width]
+            pending_pos = block_pos[:, :width]
+            pending_shift = width - kept
+            committed = committed + kept
+            accepted_list, next_list, draft_list = accepted.tolist(), next_tokens.tolist(), draft_tokens.tolist()
+            for i, row in enumerate(rows):
+                run = draft_list[i][: accepted_list[i]] + [next_list[i]]
+                emitted = self._emit(row, run)
+                self.accepted_lengths[row].append(emitted)
+            anchors = next_tokens
+            rows, anchors, committed, mask, pending_ctx, pending_pos, pending_shift = self._drop_finished(
+                rows, anchors, committed, mask, pending_ctx, pending_pos, pending_shift, target_cache, draft_cache
+            )
+
+        if self.streamer is not None:
+            self.streamer.end()
+        return self._output()
+
+    @staticmethod
+    def _mask_or_none(mask: torch.Tensor) -> torch.Tensor | None:
+        return None if bool(mask.all()) else mask
+
+    def _drop_finished(self, rows, anchors, committed, mask, pending_ctx, pending_pos, pending_shift, *caches):
+        keep = [i for i, row in enumerate(rows) if not self.finished[row]]
+        if len(keep) == len(rows):
+            return rows, anchors, committed, mask, pending_ctx, pending_pos, pending_shift
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        for cache in caches:
+            select_rows(cache, index)
+        return (
+            [rows[i] for i in keep],
+            anchors[index],
+            committed[index],
+            mask[index],
+            pending_ctx[index],
+            pending_pos[index],
+            pending_shift[index],
+        )
+
+    def _output(self) -> DFlashGenerateOutput:
+        total = max(self.lengths)
+        sequences = self.sequences[:, :total].clone()
+        for row, length in enumerate(self.lengths):
+            sequences[row, length:] = self.pad_token_id
+        lengths = [n for row in self.accepted_lengths for n in row]
+        return DFlashGenerateOutput(
+            sequences=sequences,
+            accepted_lengths=self.accepted_lengths,
+            cycles=[len(row) for row in self.accepted_lengths],
+            tau=(sum(lengths) / len(lengths)) if lengths else 0.0,
+            draft_time=self.draft_timer.total,
+            verify_time=self.verify_timer.total,
+            prefill_time=self.prefill_timer.total,
+            block_size=self.block,
+        )
+
+
+def custom_generate(
+    model: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    synced_gpus: bool = False,
+    streamer=None,
+    drafter: DFlashDraftModel | None = None,
+    block_size: int | None = None,
+    **model_kwargs,
+) -> DFlashGenerateOutput | torch.LongTensor:
+    """DFlash decoding as a Transformers `custom_generate` callable.
+
+    Use `target.generate(**inputs, custom_generate=dflash_hf.custom_generate, drafter=drafter)`; generation-config
+    handling, logits processors, stopping criteria and streamers keep their usual meaning. `block_size` may lower
+    the drafter's block size for this call.
+    """
+    if drafter is None:
+        raise ValueError(
+            "DFlash `custom_generate` needs the drafter: `target.generate(**inputs, "
+            "custom_generate=dflash_hf.custom_generate, drafter=drafter)`."
+        )
+    if synced_gpus:
+        raise ValueError("DFlash generation does not support `synced_gpus` (DeepSpeed ZeRO-3 / FSDP generation).")
+    _check_request(input_ids, generation_config)
+    decoder = _Decoder(
+        target=model,
+        drafter=drafter,
+        input_ids=input_ids,
+        attention_mask=model_kwargs.get("attention_mask"),
+        logits_processor=logits_processor,
+        stopping_criteria=stopping_criteria,
+        generation_config=generation_config,
+        streamer=streamer,
+        block_size=_resolve_block_size(drafter, block_size),
+    )
+    output = decoder.run()
+    return output if generation_config.return_dict_in_generate else output.sequences
+
+
+def generate(
+    target: PreTrainedModel,
+    drafter: DFlashDraftModel,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor | None = None,
+    block_size: int | None = None,
+    **kwargs,
+) -> DFlashGenerateOutput | torch.LongTensor:
+    """Lossless speculative generation with a DFlash drafter.
+
+    Accepts the usual `generate` keyword arguments (`max_new_tokens`, `do_sample`, `temperature`, `top_p`, `top_k`,
+    `eos_token_id`, `streamer`, `generation_config`, `return_dict_in_generate`, ...). Batches of left-padded prompts
+    are supported; every row accepts its own prefix.
+
+    Returns:
+        A `(batch, length)` tensor like `model.generate`, or a [`DFlashGenerateOutput`] (sequences + statistics) with
+        `return_dict_in_generate=True`.
+    """
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError("`input_ids` must be a tensor of token ids of shape (batch, length).")
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    max_new_tokens = kwargs.get("max_new_tokens")
+    if max_new_tokens is not None and int(max_new_tokens) < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
+    if input_ids.shape[-1] == 0:
+        raise ValueError("The prompt is empty: pass at least one token (e.g. the BOS token or a chat-templated prompt).")
+    if max_new_tokens is not None and int(max_new_tokens) == 0:
+        if kwargs.get("return_dict_in_generate"):
+            return DFlashGenerateOutput(sequences=input_ids.clone(), block_size=block_size or drafter.config.block_size)
+        return input_ids.clone()
+    return target.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        custom_generate=custom_generate,
+        drafter=drafter,
+        block_size=block_size,
+        **kwargs,
+    )

@@ -1,0 +1,1 @@
+"""DFlash training (installed as `dflash_hf.trainers`)."""
