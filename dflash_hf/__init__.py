@@ -9,6 +9,7 @@
 from transformers import AutoConfig, AutoModel
 
 from .adapters import SUPPORTED_TARGET_TYPES, TargetAdapter
+from .export import export
 from .generation import DFlashGenerateOutput, custom_generate, generate
 from .modeling import DFlashConfig, DFlashDraftModel, DFlashPreTrainedModel, default_target_layer_ids
 
@@ -37,5 +38,6 @@ __all__ = [
     "TargetAdapter",
     "custom_generate",
     "default_target_layer_ids",
+    "export",
     "generate",
 ]

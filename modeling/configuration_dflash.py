@@ -53,6 +53,49 @@ def _full_attention_rope(rope_parameters: Any) -> dict | None:
     return None
 
 
+# Keys of the official (z-lab) Qwen3-style layout that have no meaning for `DFlashConfig`.
+_OFFICIAL_ONLY_KEYS = (
+    "model_type",
+    "auto_map",
+    "dflash_config",
+    "layer_types",
+    "use_sliding_window",
+    "sliding_window",
+    "max_window_layers",
+    "use_cache",
+)
+
+
+def _is_official_config_dict(config_dict: dict) -> bool:
+    """Whether `config_dict` is an official DFlash config: a plain Qwen3-style config naming `DFlashDraftModel`."""
+    return "dflash_config" in config_dict or "DFlashDraftModel" in (config_dict.get("architectures") or [])
+
+
+def _config_dict_from_official(config_dict: dict) -> dict:
+    """Map an official DFlash config dict onto `DFlashConfig` keys (`dflash_config.*` and `block_size` lifted)."""
+    dflash = dict(config_dict.get("dflash_config") or {})
+    if dflash.get("target_layer_ids") is None:
+        raise ValueError(
+            "This official-format DFlash config has no `dflash_config.target_layer_ids`. They decide which target "
+            "layers feed the drafter and are never guessed (a guess silently breaks published checkpoints): add "
+            'the list the drafter was trained with, e.g. `"dflash_config": {"target_layer_ids": [1, 9, 17, 25, 33], '
+            '"mask_token_id": 151669}`.'
+        )
+    block_size = dflash.get("block_size", config_dict.get("block_size"))
+    if block_size is None:
+        raise ValueError(
+            "This official-format DFlash config has no `block_size` (top level or in `dflash_config`): add the block "
+            "size the drafter was trained with."
+        )
+    values = {key: value for key, value in config_dict.items() if key not in _OFFICIAL_ONLY_KEYS}
+    values.update(
+        target_layer_ids=list(dflash["target_layer_ids"]),
+        mask_token_id=dflash.get("mask_token_id", config_dict.get("mask_token_id")),
+        block_size=int(block_size),
+    )
+    return values
+
+
 class DFlashConfig(PreTrainedConfig):
     r"""
     Configuration of a [`DFlashDraftModel`]: a small block-diffusion drafter that reads the hidden states of a target
@@ -152,6 +195,35 @@ class DFlashConfig(PreTrainedConfig):
                     f"mask_token_id {self.mask_token_id} is not a row of the target embedding "
                     f"(vocab_size {self.vocab_size})."
                 )
+
+    @classmethod
+    def _dflash_config_dict(cls, config_dict: dict) -> dict:
+        """Return `config_dict` in this class's layout: official DFlash dicts are converted, other models refused."""
+        model_type = config_dict.get("model_type", cls.model_type)
+        if model_type == cls.model_type:
+            return config_dict
+        if _is_official_config_dict(config_dict):
+            return _config_dict_from_official(config_dict)
+        raise ValueError(
+            f"config.json has model_type `{model_type}`, which is not a DFlash drafter. Expected `{cls.model_type}` "
+            "(dflash-hf layout) or an official DFlash config (`architectures: [\"DFlashDraftModel\"]` with a "
+            "`dflash_config`). Point to the drafter's folder, not the target's."
+        )
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Like [`PreTrainedConfig.get_config_dict`], with official (z-lab) DFlash configs mapped onto this class.
+
+        The official layout is a Qwen3-style config with `architectures: ["DFlashDraftModel"]`,
+        `dflash_config: {"mask_token_id", "target_layer_ids"}` and `block_size` at the top level or in `dflash_config`.
+        """
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        return cls._dflash_config_dict(config_dict), kwargs
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs) -> "DFlashConfig":
+        """Like [`PreTrainedConfig.from_dict`]; also accepts an official DFlash config dict (see `get_config_dict`)."""
+        return super().from_dict(cls._dflash_config_dict(config_dict), **kwargs)
 
     @property
     def num_target_features(self) -> int:

@@ -19,6 +19,7 @@ This file ships inside every Hub checkpoint as remote code: it imports only torc
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -28,6 +29,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 from .configuration_dflash import DFlashConfig
@@ -272,6 +274,68 @@ class DFlashPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
+        r"""
+        Load a drafter, strictly and from safetensors only, in the dflash-hf layout or the official DFlash layout.
+
+        Unlike [`PreTrainedModel.from_pretrained`]:
+
+        * an official (z-lab) config, as a folder's `config.json` or as the Qwen3-style `config` object that
+          `AutoModel` passes in, is mapped onto [`DFlashConfig`] (see `DFlashConfig.get_config_dict`);
+        * weights are read from safetensors only: a folder holding only pickled weights (`pytorch_model.bin`) is
+          refused without the pickle ever being opened;
+        * missing, unexpected or wrongly shaped tensors raise a `ValueError` instead of being silently re-initialised.
+        """
+        if kwargs.get("use_safetensors") is False:
+            raise ValueError("DFlash drafters load from safetensors only; drop `use_safetensors=False`.")
+        folder = os.path.join(str(pretrained_model_name_or_path), kwargs.get("subfolder", ""))
+        if os.path.isdir(folder):
+            files = os.listdir(folder)
+            if not any(name.endswith(".safetensors") for name in files):
+                pickles = sorted(name for name in files if name.endswith((".bin", ".pt", ".pth", ".pkl")))
+                found = f"only pickled weights ({', '.join(pickles)})" if pickles else "no weights"
+                raise ValueError(
+                    f"{folder} holds {found}. DFlash drafters are loaded from safetensors only and pickles are never "
+                    "unpickled (they can run arbitrary code): convert the checkpoint to `model.safetensors` where you "
+                    "trust its origin (`safetensors.torch.save_file`), or re-export it with `dflash_hf.export`."
+                )
+        if isinstance(config, PreTrainedConfig) and not isinstance(config, cls.config_class):
+            config = cls.config_class.from_dict(config.to_dict())
+        return_loading_info = kwargs.pop("output_loading_info", False)
+        kwargs.update(use_safetensors=True, ignore_mismatched_sizes=True, output_loading_info=True)
+        model, loading_info = super().from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
+        problems = []
+        if loading_info["missing_keys"]:
+            problems.append(f"missing tensors {sorted(loading_info['missing_keys'])}")
+        if loading_info["unexpected_keys"]:
+            problems.append(f"unexpected tensors {sorted(loading_info['unexpected_keys'])}")
+        for name, checkpoint_shape, model_shape in sorted(loading_info["mismatched_keys"]):
+            problems.append(
+                f"`{name}` has shape {tuple(checkpoint_shape)} in the checkpoint but {tuple(model_shape)} in the config"
+            )
+        if problems:
+            raise ValueError(
+                f"The weights in {pretrained_model_name_or_path} do not match its DFlash config: {'; '.join(problems)}. "
+                "Expected unprefixed names (`fc.weight`, `layers.0.self_attn.q_proj.weight`, ...) with the shapes "
+                "implied by config.json: fix config.json or re-export the drafter with `dflash_hf.export`."
+            )
+        return (model, loading_info) if return_loading_info else model
+
+
+class DFlashNotAnAssistantError(AttributeError, ValueError):
+    """Raised when a DFlash drafter is used as a plain autoregressive assistant model.
+
+    It is an `AttributeError` (so `hasattr(drafter, "generation_config")` stays False) and a `ValueError` (bad input).
+    """
+
+
+_NOT_AN_ASSISTANT = (
+    "A DFlash drafter is not an autoregressive assistant model: it drafts a whole block from the target's hidden "
+    "states. Add `speculation_type=\"dflash\"`: `target.generate(**inputs, assistant_model=drafter, "
+    "speculation_type=\"dflash\")`, or use `dflash_hf.generate(target, drafter, input_ids)`."
+)
+
 
 class DFlashDraftModel(DFlashPreTrainedModel):
     """The DFlash drafter: context fusion (`fc` + `hidden_norm`), K/V-injected decoder layers and a final `norm`.
@@ -402,13 +466,16 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=cache)
 
+    def __getattr__(self, name: str):
+        # Transformers' plain assisted decoding first reads `assistant_model.generation_config`: turn that into a
+        # clear error instead of a silent autoregressive misuse of the drafter.
+        if name == "generation_config":
+            raise DFlashNotAnAssistantError(_NOT_AN_ASSISTANT)
+        return super().__getattr__(name)
+
     def generate(self, *args, **kwargs):
-        """A DFlash drafter is not an autoregressive model and cannot generate on its own."""
-        raise ValueError(
-            "A DFlash drafter cannot generate on its own or serve as a plain assistant model. Use it through the "
-            "target: `target.generate(**inputs, assistant_model=drafter, speculation_type=\"dflash\")`, or "
-            "`dflash_hf.generate(target, drafter, input_ids)`."
-        )
+        """A DFlash drafter cannot generate on its own; see the error message for the two supported call forms."""
+        raise DFlashNotAnAssistantError(_NOT_AN_ASSISTANT)
 
     def spec_generate(self, target: PreTrainedModel, input_ids: torch.LongTensor, **kwargs):
         """Speculative generation with this drafter and `target`; see `dflash_hf.generate` (needs `dflash_hf`)."""
@@ -422,4 +489,4 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         return dflash_generate(target, self, input_ids, **kwargs)
 
 
-__all__ = ["DFlashDraftModel", "DFlashPreTrainedModel"]
+__all__ = ["DFlashDraftModel", "DFlashNotAnAssistantError", "DFlashPreTrainedModel"]

@@ -1,0 +1,199 @@
+"""Export a DFlash drafter as a Hub-ready folder.
+
+    >>> dflash_hf.export(drafter, "out/my-drafter", target=target, metrics=bench_rows)
+    >>> dflash_hf.export(drafter, "out/my-drafter-official", target=target, format="official")  # SGLang / vLLM
+
+The folder holds `config.json` (with `auto_map`), `model.safetensors`, the remote code (which imports only torch and
+transformers) and a `README.md` model card rendered from `dflash_hf.hub_cards`. It is written into a hidden staging
+folder next to `out_dir` and renamed into place only when complete, so an interrupted export never leaves a folder
+that looks finished.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from huggingface_hub import metadata_load, try_to_load_from_cache
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+
+from .adapters import TargetAdapter
+from .hub_cards import render_model_card
+from .modeling import DFlashConfig, DFlashDraftModel
+from .official import OFFICIAL_MODELING_FILE, to_official_config
+
+EXPORT_FORMATS = ("dflash-hf", "official")
+DFLASH_HF_AUTO_MAP = {
+    "AutoConfig": "configuration_dflash.DFlashConfig",
+    "AutoModel": "modeling_dflash.DFlashDraftModel",
+}
+_LICENSE_FIELDS = ("license", "license_name", "license_link")
+
+
+def _target_config(target: PreTrainedModel | PreTrainedConfig | str | os.PathLike) -> tuple[PreTrainedConfig, str]:
+    """Return the target's config and its name or path."""
+    if isinstance(target, PreTrainedModel):
+        config = target.config
+    elif isinstance(target, PreTrainedConfig):
+        config = target
+    elif isinstance(target, (str, os.PathLike)):
+        config = AutoConfig.from_pretrained(str(target))
+    else:
+        raise ValueError(
+            f"`target` must be the target model, its config, or its Hub id / local path; got {type(target).__name__}."
+        )
+    name = config.name_or_path or (str(target) if isinstance(target, (str, os.PathLike)) else "")
+    return config, name
+
+
+def _check_pairing(drafter: DFlashDraftModel, target: Any, text_config: PreTrainedConfig) -> None:
+    """Raise a `ValueError` unless `drafter` was built for the target (sizes, vocabulary, tapped layers)."""
+    if not isinstance(target, PreTrainedModel):
+        with torch.device("meta"):  # shapes only: no memory, no weights
+            target = AutoModelForCausalLM.from_config(text_config)
+    TargetAdapter(target, drafter.config.target_layer_ids).check_drafter(drafter)
+    expected_layers = drafter.config.num_target_layers
+    if expected_layers is not None and int(expected_layers) != int(text_config.num_hidden_layers):
+        raise ValueError(
+            f"The drafter was built for a {expected_layers}-layer target but the target has "
+            f"{text_config.num_hidden_layers} layers: pass the target the drafter was trained with."
+        )
+
+
+def _is_repo_id(name: str) -> bool:
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _target_license(target_name: str, base_model: str) -> dict[str, str]:
+    """License fields of the target's model card, read from a local folder or the local Hub cache (no network)."""
+    candidates = [os.path.join(target_name, "README.md")] if target_name and os.path.isdir(target_name) else []
+    candidates.append(try_to_load_from_cache(base_model, "README.md"))
+    for readme in candidates:
+        if isinstance(readme, str) and os.path.isfile(readme):
+            metadata = metadata_load(readme) or {}
+            fields = {key: str(metadata[key]) for key in _LICENSE_FIELDS if metadata.get(key)}
+            if fields:
+                return fields
+    return {}
+
+
+def _write_folder(drafter: DFlashDraftModel, folder: Path, format: str, card: str) -> None:
+    """Write the export into the (empty, staging) `folder`."""
+    drafter.save_pretrained(folder)
+    # the remote code always comes from this package's sources, whatever class `drafter` was loaded as
+    for stray in folder.glob("*.py"):
+        stray.unlink()
+    shutil.copy(inspect.getfile(DFlashConfig), folder / "configuration_dflash.py")
+    modeling_file = OFFICIAL_MODELING_FILE if format == "official" else "modeling_dflash.py"
+    shutil.copy(inspect.getfile(DFlashDraftModel), folder / modeling_file)
+    config_path = folder / "config.json"
+    if format == "official":
+        config = to_official_config(drafter.config)
+    else:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        config.update(architectures=["DFlashDraftModel"], auto_map=dict(DFLASH_HF_AUTO_MAP))
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    (folder / "README.md").write_text(card, encoding="utf-8")
+
+
+def _write_atomically(out_dir: Path, overwrite: bool, write: Callable[[Path], None]) -> None:
+    """Run `write` on a hidden staging folder beside `out_dir`, then rename it to `out_dir`."""
+    if out_dir.exists() and not overwrite:
+        raise ValueError(f"{out_dir} already exists; choose another folder or pass overwrite=True (`--overwrite`).")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"{out_dir} exists and is not a folder.")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    token = uuid.uuid4().hex[:8]
+    staging = out_dir.parent / f".{out_dir.name}.partial-{token}"
+    previous = out_dir.parent / f".{out_dir.name}.previous-{token}"
+    staging.mkdir()
+    try:
+        write(staging)
+        if out_dir.exists():
+            os.replace(out_dir, previous)
+        os.replace(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if previous.exists() and not out_dir.exists():
+            os.replace(previous, out_dir)
+        raise
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def export(
+    drafter: DFlashDraftModel,
+    out_dir: str | os.PathLike,
+    *,
+    target: PreTrainedModel | PreTrainedConfig | str | os.PathLike,
+    metrics: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+    format: str = "dflash-hf",
+    base_model: str | None = None,
+    repo_id: str | None = None,
+    license: str | None = None,
+    training: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write `drafter` as a Hub-ready folder: config, safetensors weights, remote code and a model card.
+
+    Args:
+        drafter: The DFlash drafter to export.
+        out_dir: Folder to create. It appears only once complete (atomic rename); nothing is left behind on error.
+        target: The target the drafter was built for: the model, its config, or its Hub id / local path (only the
+            config is read). The drafter is checked against it (hidden size, vocabulary, tapped layers).
+        metrics: Measured benchmark rows for the card's results table (`tau`, `speedup`, `hardware`, `date`; see
+            `dflash_hf.hub_cards.normalize_metrics`). Without them the card says no measurements are included.
+        format: `"dflash-hf"` (`model_type: dflash`, `AutoConfig`/`AutoModel` remote code) or `"official"` (the z-lab
+            layout read by SGLang and vLLM: Qwen3-style config with `dflash_config`, remote code in `dflash.py`).
+        base_model: Hub id of the target for the card's `base_model`; defaults to the target's name when it is a Hub
+            id.
+        repo_id: Hub id the drafter will be published under, used in the card's usage snippets.
+        license: License of the card; defaults to the target card's license when it is available locally.
+        training: Recorded training facts (data size, steps, hyper-parameters, wall time) listed in the card.
+        overwrite: Replace an existing `out_dir` (only once the new export is complete).
+
+    Returns:
+        The path of the written folder.
+    """
+    if format not in EXPORT_FORMATS:
+        raise ValueError(f"Unknown export format {format!r}; choose one of {', '.join(EXPORT_FORMATS)}.")
+    if getattr(drafter.config, "model_type", None) != DFlashConfig.model_type:
+        raise ValueError(f"`export` writes DFlash drafters (`DFlashDraftModel`), got {type(drafter).__name__}.")
+    target_config, target_name = _target_config(target)
+    text_config = target_config.get_text_config(decoder=True)
+    _check_pairing(drafter, target, text_config)
+    if base_model is None and target_name and not os.path.exists(target_name):
+        base_model = target_name
+    if base_model is None or not _is_repo_id(base_model):
+        raise ValueError(
+            f"Cannot tell the target's Hub id from {base_model or target_name or 'the target'!r} (the card's "
+            "`base_model`): pass base_model='org/name' (`--base-model org/name`)."
+        )
+    card = render_model_card(
+        drafter.config,
+        base_model=base_model,
+        num_parameters=drafter.num_parameters(),
+        target_config=text_config,
+        repo_id=repo_id,
+        format=format,
+        metrics=metrics,
+        training=training,
+        license={"license": license} if license else _target_license(target_name, base_model),
+    )
+    out_dir = Path(out_dir)
+    _write_atomically(out_dir, overwrite, lambda staging: _write_folder(drafter, staging, format, card))
+    return out_dir
+
+
+__all__ = ["DFLASH_HF_AUTO_MAP", "EXPORT_FORMATS", "export"]

@@ -1,0 +1,81 @@
+"""The official (z-lab) DFlash checkpoint format, read by SGLang and vLLM.
+
+An official checkpoint is a plain Qwen3-style `config.json` (`model_type: "qwen3"`) naming
+`architectures: ["DFlashDraftModel"]`, with `auto_map: {"AutoModel": "dflash.DFlashDraftModel"}`, the draft depth in
+`num_hidden_layers`, `num_target_layers`, `block_size` and `dflash_config: {"mask_token_id", "target_layer_ids"}`.
+Tensor names are the same unprefixed names as ours, so only the config differs.
+
+Reading is done by the remote code itself (`DFlashConfig.get_config_dict` / `DFlashConfig.from_dict` map an official
+dict onto [`DFlashConfig`]), so that a checkpoint loads without this package; this module writes the format.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import transformers
+
+from .modeling import DFlashConfig
+
+OFFICIAL_MODEL_TYPE = "qwen3"
+OFFICIAL_ARCHITECTURE = "DFlashDraftModel"
+# The remote-code module an official checkpoint's `auto_map` points at; exports ship our modeling file under this name.
+OFFICIAL_MODELING_FILE = "dflash.py"
+
+# Architecture fields shared verbatim by `DFlashConfig` and the Qwen3-style official config.
+_SHARED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "attention_bias",
+    "attention_dropout",
+    "initializer_range",
+)
+
+
+def to_official_config(config: DFlashConfig) -> dict[str, Any]:
+    """Return the official config dict of a drafter configured by `config`.
+
+    `rope_parameters` is written for Transformers v5 readers together with `rope_theta`/`rope_scaling` for readers on
+    Transformers 4.x (which would otherwise fall back to a default RoPE base silently). `block_size` is written both at
+    the top level (older readers) and inside `dflash_config` (newer readers).
+    """
+    missing = [name for name in ("vocab_size", "mask_token_id", "target_layer_ids") if getattr(config, name) is None]
+    if missing:
+        raise ValueError(
+            f"The official DFlash format needs {', '.join(missing)} in the drafter config; build the config with "
+            "`DFlashConfig.from_target(target_config, ...)`, which fills them from the target."
+        )
+    rope = dict(config.rope_parameters or {})
+    rope_scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
+    official: dict[str, Any] = {
+        "architectures": [OFFICIAL_ARCHITECTURE],
+        "auto_map": {"AutoModel": f"{OFFICIAL_MODELING_FILE.removesuffix('.py')}.{OFFICIAL_ARCHITECTURE}"},
+        "model_type": OFFICIAL_MODEL_TYPE,
+        **{key: getattr(config, key) for key in _SHARED_KEYS},
+        "rope_parameters": rope,
+        "rope_theta": rope.get("rope_theta"),
+        "rope_scaling": rope_scaling if rope_scaling.get("rope_type", "default") != "default" else None,
+        "tie_word_embeddings": False,
+        "block_size": int(config.block_size),
+        "dflash_config": {
+            "mask_token_id": int(config.mask_token_id),
+            "target_layer_ids": [int(i) for i in config.target_layer_ids],
+            "block_size": int(config.block_size),
+        },
+        "dtype": config.to_dict().get("dtype"),
+        "transformers_version": transformers.__version__,
+    }
+    if config.num_target_layers is not None:
+        official["num_target_layers"] = int(config.num_target_layers)
+    return official
+
+
+__all__ = ["OFFICIAL_ARCHITECTURE", "OFFICIAL_MODELING_FILE", "OFFICIAL_MODEL_TYPE", "to_official_config"]
