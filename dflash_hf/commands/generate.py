@@ -1,0 +1,211 @@
+"""`dflash-hf generate "PROMPT"`: stream a speculative answer from a target with its DFlash drafter.
+
+With no flags it uses the default named target (`smollm2-135m`, see `dflash_hf.targets`) and the drafter bundled
+in the package for it. The answer is streamed as it is committed; the last line reports the number of new tokens,
+`tau` (tokens committed per target verify forward) and tokens/s, and with `--compare` the speedup over plain
+`target.generate` of the same prompt, measured in the same process, and whether both outputs are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
+from transformers.utils import logging as hf_logging
+
+from ..generation import generate
+from ..modeling import DFlashConfig, DFlashDraftModel
+from ..targets import DEFAULT_TARGET, TARGETS, bundled_drafter_dir, load_target
+
+
+def _available_cpus() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `generate` sub-command."""
+    parser = subparsers.add_parser(
+        "generate",
+        help="Stream a DFlash speculative answer to a prompt (default: bundled SmolLM2 target + drafter).",
+        description=__doc__.split("\n\n")[1].replace("\n", " "),
+    )
+    parser.add_argument("prompt", help="The prompt (wrapped in the target's chat template when it has one).")
+    parser.add_argument(
+        "--target",
+        default=DEFAULT_TARGET,
+        help=f"Named target ({', '.join(TARGETS)}), model folder or Hub id (default: {DEFAULT_TARGET}).",
+    )
+    parser.add_argument(
+        "--drafter",
+        type=Path,
+        default=None,
+        help="DFlash drafter folder (default: the drafter bundled for a named target).",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="Most new tokens to generate (default: 128).")
+    parser.add_argument(
+        "--block-size", type=int, default=None, help="Block size, at most the drafter's (default: the drafter's)."
+    )
+    parser.add_argument(
+        "--no-chat-template", action="store_true", help="Tokenize the prompt as plain text even if a template exists."
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=None, help="Sample at this temperature (default: greedy; 0 = greedy)."
+    )
+    parser.add_argument("--top-p", type=float, default=None, help="Nucleus sampling mass (implies sampling).")
+    parser.add_argument("--top-k", type=int, default=None, help="Top-k sampling (implies sampling).")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="Also run plain `target.generate` on the same prompt and report the speedup and output identity.",
+    )
+    parser.add_argument(
+        "--device", default=None, help="Device for both models (default: cuda when available, else cpu)."
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help=f"CPU threads for torch (default: the CPUs available to this process, here {_available_cpus()}).",
+    )
+    parser.set_defaults(func=run)
+
+
+def _resolve_drafter(args: argparse.Namespace) -> Path:
+    if args.drafter is not None:
+        if not (args.drafter / "config.json").is_file():
+            raise FileNotFoundError(
+                f"No DFlash drafter at {args.drafter} (no config.json): pass --drafter PATH to a folder saved with "
+                "DFlashDraftModel.save_pretrained."
+            )
+        return args.drafter
+    folder = bundled_drafter_dir(str(args.target))
+    if str(args.target) not in TARGETS or not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"No bundled drafter for target {args.target!r} in this installation ({folder} is missing): "
+            "pass --drafter PATH to a DFlash drafter folder."
+        )
+    return folder
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict:
+    for flag, value, low in (("--temperature", args.temperature, 0.0), ("--top-k", args.top_k, 1)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}.")
+    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}.")
+    sampling = (args.temperature is not None and args.temperature > 0) or args.top_p is not None or args.top_k is not None
+    if args.temperature == 0 and (args.top_p is not None or args.top_k is not None):
+        raise ValueError("--temperature 0 means greedy decoding: drop --top-p/--top-k or use a positive temperature.")
+    if not sampling:
+        return {"do_sample": False}
+    kwargs: dict = {"do_sample": True, "temperature": args.temperature if args.temperature is not None else 1.0}
+    kwargs["top_p"] = args.top_p if args.top_p is not None else 1.0
+    kwargs["top_k"] = args.top_k if args.top_k is not None else 0
+    return kwargs
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, prompt: str, use_template: bool) -> dict[str, torch.Tensor]:
+    if use_template and tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        return tokenizer(text, add_special_tokens=False, return_tensors="pt")
+    return tokenizer(prompt, return_tensors="pt")
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(device: torch.device, fn):
+    _synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    _synchronize(device)
+    return result, time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the `generate` sub-command; returns the exit code."""
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}.")
+    sampling = _sampling_kwargs(args)
+    drafter_dir = _resolve_drafter(args)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads or _available_cpus())
+
+    drafter_config = DFlashConfig.from_pretrained(drafter_dir)
+    if args.block_size is not None and not 2 <= args.block_size <= drafter_config.block_size:
+        raise ValueError(
+            f"--block-size must be between 2 and the drafter's block size {drafter_config.block_size}, "
+            f"got {args.block_size}."
+        )
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # loading bars would interleave with the answer; cache builds show their own
+    try:
+        target, tokenizer = load_target(args.target, device=device)
+        drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=target.dtype).to(device).eval()
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    inputs = _encode(tokenizer, args.prompt, use_template=not args.no_chat_template)
+    inputs = {key: value.to(device) for key, value in inputs.items()}
+    common = dict(max_new_tokens=args.max_new_tokens, **sampling)
+
+    # one short untimed pass so that neither timed run pays for first-call set-up
+    generate(target, drafter, inputs["input_ids"], max_new_tokens=2, do_sample=False, block_size=args.block_size)
+
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    out, seconds = _timed(
+        device,
+        lambda: generate(
+            target,
+            drafter,
+            inputs["input_ids"],
+            attention_mask=inputs.get("attention_mask"),
+            block_size=args.block_size,
+            streamer=streamer,
+            return_dict_in_generate=True,
+            **common,
+        ),
+    )
+    prompt_len = inputs["input_ids"].shape[1]
+    new_tokens = out.sequences[0, prompt_len:]
+    rate = len(new_tokens) / seconds
+    summary = f"tokens: {len(new_tokens)} | tau: {out.tau:.2f} | {rate:.2f} tokens/s"
+    if args.compare:
+        summary += " | " + _compare(target, inputs, common, new_tokens, rate, device)
+    print(summary, flush=True)
+    return 0
+
+
+def _compare(
+    target: PreTrainedModel,
+    inputs: dict[str, torch.Tensor],
+    common: dict,
+    new_tokens: torch.Tensor,
+    rate: float,
+    device: torch.device,
+) -> str:
+    """Time plain `target.generate` with the same settings and describe the speedup and output identity."""
+    baseline, seconds = _timed(device, lambda: target.generate(**inputs, **common))
+    baseline_tokens = baseline[0, inputs["input_ids"].shape[1] :]
+    baseline_rate = len(baseline_tokens) / seconds
+    mode = "sampling" if common["do_sample"] else "greedy"
+    if common["do_sample"]:
+        identical = "n/a (sampling)"
+    else:
+        identical = "yes" if torch.equal(new_tokens.cpu(), baseline_tokens.cpu()) else "no"
+    return (
+        f"plain {mode}: {baseline_rate:.2f} tokens/s | speedup: {rate / baseline_rate:.2f}x | identical: {identical}"
+    )

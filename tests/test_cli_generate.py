@@ -1,0 +1,134 @@
+"""`dflash-hf generate` end to end on a tiny random target + drafter saved to temporary folders."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from test_targets import make_llama, save_tiny_target
+from transformers import AutoTokenizer
+
+from dflash_hf import DFlashConfig, DFlashDraftModel, cli, targets
+from dflash_hf.commands import generate as generate_command
+
+NUMBER = r"\d+\.\d\d"
+SUMMARY = rf"^tokens: (\d+) \| tau: {NUMBER} \| {NUMBER} tokens/s$"
+COMPARE = (
+    rf"^tokens: (\d+) \| tau: {NUMBER} \| {NUMBER} tokens/s \| plain (greedy|sampling): {NUMBER} tokens/s "
+    rf"\| speedup: {NUMBER}x \| identical: (yes|no|n/a \(sampling\))$"
+)
+
+
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("generate")
+    target_dir = save_tiny_target(root / "target")
+    plain_dir = save_tiny_target(root / "plain-target", chat_template=None)
+    config = DFlashConfig.from_target(make_llama().config, num_hidden_layers=2, block_size=4, num_target_features=2)
+    torch.manual_seed(3)
+    drafter_dir = root / "drafter"
+    DFlashDraftModel(config).save_pretrained(drafter_dir)
+    return {"target": target_dir, "plain": plain_dir, "drafter": drafter_dir}
+
+
+def _run(capsys, *argv: str) -> tuple[int, list[str], list[str]]:
+    code = cli.main(["generate", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out.splitlines(), captured.err.strip().splitlines()
+
+
+def _greedy_answer(target_dir, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[int, str]:
+    model, tokenizer = targets.load_target(target_dir)
+    out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
+    new = out[0, input_ids.shape[1] :]
+    return len(new), tokenizer.decode(new, skip_special_tokens=True)
+
+
+def test_greedy_compare_streams_the_lossless_answer(folders, capsys):
+    code, out, _ = _run(
+        capsys, "the cat sat", "--target", str(folders["target"]), "--drafter", str(folders["drafter"]),
+        "--max-new-tokens", "12", "--compare", "--threads", "1",
+    )
+    assert code == 0
+    match = re.match(COMPARE, out[-1])
+    assert match, out[-1]
+    assert match.group(2) == "greedy" and match.group(3) == "yes"
+
+    tokenizer = AutoTokenizer.from_pretrained(folders["target"])
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "the cat sat"}], tokenize=False, add_generation_prompt=True
+    )
+    prompt = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    count, answer = _greedy_answer(folders["target"], prompt, 12)
+    assert int(match.group(1)) == count
+    assert "\n".join(out[:-1]).strip() == answer.strip()
+
+
+def test_plain_prompt_block_size_and_no_template(folders, capsys):
+    for target, extra in ((folders["plain"], []), (folders["target"], ["--no-chat-template"])):
+        code, out, _ = _run(
+            capsys, "a dog ran", "--target", str(target), "--drafter", str(folders["drafter"]),
+            "--max-new-tokens", "6", "--block-size", "3", *extra,
+        )
+        assert code == 0
+        match = re.match(SUMMARY, out[-1])
+        assert match, out[-1]
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        count, answer = _greedy_answer(target, tokenizer("a dog ran", return_tensors="pt").input_ids, 6)
+        assert int(match.group(1)) == count
+        assert "\n".join(out[:-1]).strip() == answer.strip()
+
+
+def test_sampling_compare(folders, capsys):
+    torch.manual_seed(0)
+    code, out, _ = _run(
+        capsys, "the cat sat", "--target", str(folders["target"]), "--drafter", str(folders["drafter"]),
+        "--max-new-tokens", "8", "--temperature", "0.8", "--top-k", "10", "--top-p", "0.9", "--compare",
+    )
+    assert code == 0
+    match = re.match(COMPARE, out[-1])
+    assert match, out[-1]
+    assert match.group(2) == "sampling" and match.group(3) == "n/a (sampling)"
+
+
+def test_defaults_use_named_target_and_bundled_drafter(monkeypatch, tmp_path, capsys):
+    parser = cli.build_parser()
+    args = parser.parse_args(["generate", "hello"])
+    assert args.target == targets.DEFAULT_TARGET == "smollm2-135m"
+    assert args.drafter is None and not args.compare and args.max_new_tokens > 0
+    assert targets.bundled_drafter_dir("smollm2-135m").parts[-2:] == ("bundled", "dflash-smollm2-135m")
+
+    # without a bundled drafter the command stops before loading anything, with one error line
+    missing = tmp_path / "bundled" / "dflash-smollm2-135m"
+    monkeypatch.setattr(generate_command, "bundled_drafter_dir", lambda name: missing)
+    monkeypatch.setattr(generate_command, "load_target", lambda *a, **k: pytest.fail("target must not be loaded"))
+    code, out, err = _run(capsys, "hello")
+    assert code == 2 and out == []
+    assert len(err) == 1 and err[0].startswith("error: ") and "--drafter PATH" in err[0] and str(missing) in err[0]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--drafter", "{tmp}/nowhere"], "--drafter PATH"),
+        (["--target", "{target}"], "--drafter PATH"),  # a folder target has no bundled drafter
+        (["--drafter", "{drafter}", "--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--drafter", "{drafter}", "--temperature", "-1"], "--temperature"),
+        (["--drafter", "{drafter}", "--top-p", "1.5"], "--top-p"),
+        (["--drafter", "{drafter}", "--temperature", "0", "--top-k", "5"], "greedy"),
+        (["--drafter", "{drafter}", "--target", "{target}", "--block-size", "9"], "--block-size"),
+    ],
+)
+def test_bad_input_gives_one_error_line(folders, tmp_path, capsys, argv, message):
+    values = {"tmp": tmp_path, "target": folders["target"], "drafter": folders["drafter"]}
+    code, _, err = _run(capsys, "hi", *[arg.format(**values) for arg in argv])
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err

