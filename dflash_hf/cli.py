@@ -11,7 +11,10 @@ import importlib
 import sys
 
 # sub-command name -> module implementing it
-COMMAND_MODULES: dict[str, str] = {}
+COMMAND_MODULES: dict[str, str] = {
+    "export": "dflash_hf.commands.export",
+    "push": "dflash_hf.commands.push",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

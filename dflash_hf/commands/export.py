@@ -1,0 +1,73 @@
+"""`dflash-hf export`: write a trained drafter as a Hub-ready folder (see `dflash_hf.export`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from ..export import EXPORT_FORMATS, export
+from ..modeling import DFlashDraftModel
+
+
+def _read_json(path: Path | None) -> Any:
+    if path is None:
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from err
+
+
+def run(args: argparse.Namespace) -> int:
+    metrics = _read_json(args.metrics)
+    training = _read_json(args.training)
+    drafter = DFlashDraftModel.from_pretrained(args.drafter)
+    out_dir = export(
+        drafter,
+        args.out_dir,
+        target=args.target,
+        metrics=metrics,
+        format=args.format,
+        base_model=args.base_model,
+        repo_id=args.repo_id,
+        license=args.license,
+        training=training,
+        overwrite=args.overwrite,
+    )
+    print(f"exported {args.format} drafter to {out_dir}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "export",
+        help="write a drafter as a Hub-ready folder (safetensors, remote code, model card)",
+        description="Write a DFlash drafter as a Hub-ready folder: config.json with auto_map, model.safetensors, "
+        "remote code that needs only torch and transformers, and a README.md model card. The folder appears only "
+        "once complete.",
+    )
+    parser.add_argument("drafter", help="drafter checkpoint: local folder or Hub id (dflash-hf or official layout)")
+    parser.add_argument("out_dir", type=Path, help="folder to create")
+    parser.add_argument(
+        "--target", required=True, help="the target's Hub id or local folder (only its config is read)"
+    )
+    parser.add_argument(
+        "--format",
+        choices=EXPORT_FORMATS,
+        default="dflash-hf",
+        help="dflash-hf (model_type dflash) or official (z-lab layout read by SGLang and vLLM)",
+    )
+    parser.add_argument(
+        "--metrics",
+        type=Path,
+        help="JSON file of measured benchmark rows (tau, speedup, hardware, date; optional benchmark, block_size, "
+        "temperature) for the card's results table",
+    )
+    parser.add_argument("--training", type=Path, help="JSON object of recorded training facts for the card")
+    parser.add_argument("--base-model", help="the target's Hub id for the card, when --target is a local folder")
+    parser.add_argument("--repo-id", help="Hub id the drafter will be published under (for the card's snippets)")
+    parser.add_argument("--license", help="license of the card (default: the target card's, when available locally)")
+    parser.add_argument("--overwrite", action="store_true", help="replace out_dir once the new export is complete")
+    parser.set_defaults(func=run)

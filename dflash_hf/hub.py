@@ -1,0 +1,131 @@
+"""Validate an exported drafter folder and publish it on the Hugging Face Hub.
+
+    >>> files = dflash_hf.validate_hub_folder("out/my-drafter")            # no network
+    >>> url = dflash_hf.push_to_hub("out/my-drafter", "me/my-dflash-drafter")
+
+Uploads go through `huggingface_hub` (`create_repo` + `upload_folder`) with the token from the usual Hugging Face
+environment (`HF_TOKEN`) or login (`hf auth login`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from huggingface_hub import HfApi, get_token, is_offline_mode, metadata_load
+from transformers.utils import logging as transformers_logging
+
+from .modeling import DFlashDraftModel
+
+# pickled weight files: never uploaded, never opened
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+# front-matter keys every exported card carries
+REQUIRED_CARD_KEYS = ("base_model", "library_name", "pipeline_tag", "tags")
+
+
+@dataclass(frozen=True)
+class HubFile:
+    """One file of a folder to upload: its path relative to the folder and its size in bytes."""
+
+    path: str
+    size: int
+
+
+def _folder_files(folder: Path) -> list[HubFile]:
+    """Every regular file under `folder`, hidden files and folders excluded (`upload_folder` gets exactly these)."""
+    files = []
+    for path in sorted(folder.rglob("*")):
+        relative = path.relative_to(folder)
+        if path.is_file() and not any(part.startswith(".") for part in relative.parts):
+            files.append(HubFile(relative.as_posix(), path.stat().st_size))
+    return files
+
+
+def validate_hub_folder(folder: str | os.PathLike) -> list[HubFile]:
+    """Check that `folder` is a complete, loadable DFlash drafter and return the files to upload.
+
+    Checks, without network: no pickled weights; `config.json` is a DFlash config (dflash-hf or official layout);
+    the safetensors weights match the config exactly (loaded strictly with [`DFlashDraftModel.from_pretrained`]); the
+    remote code named by `auto_map` is present; `README.md` has YAML front matter with `base_model`, `library_name`,
+    `pipeline_tag` and `tags`. Raises `ValueError` (or `FileNotFoundError`) naming the problem.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a folder; export a drafter first with `dflash-hf export`.")
+    files = _folder_files(folder)
+    names = {file.path for file in files}
+    pickles = sorted(name for name in names if name.endswith(PICKLE_SUFFIXES))
+    if pickles:
+        raise ValueError(
+            f"{folder} contains pickled weights ({', '.join(pickles)}); only safetensors are published. Remove them "
+            "or re-export the drafter with `dflash-hf export`."
+        )
+    if "config.json" not in names:
+        raise ValueError(f"{folder} has no config.json; export the drafter with `dflash-hf export`.")
+    progress_bar = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        DFlashDraftModel.from_pretrained(folder)
+    finally:
+        if progress_bar:
+            transformers_logging.enable_progress_bar()
+    auto_map = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("auto_map") or {}
+    if "AutoModel" not in auto_map:
+        raise ValueError(
+            f"{folder}/config.json has no `auto_map` for AutoModel, so the drafter cannot load without dflash-hf; "
+            "re-export it with `dflash-hf export`."
+        )
+    for reference in auto_map.values():
+        module_file = reference.split("--")[-1].rsplit(".", 1)[0] + ".py"
+        if module_file not in names:
+            raise ValueError(f"`auto_map` points at {module_file}, which is missing from {folder}; re-export it.")
+    if "README.md" not in names:
+        raise ValueError(f"{folder} has no README.md model card; export the drafter with `dflash-hf export`.")
+    card = metadata_load(folder / "README.md") or {}
+    missing = [key for key in REQUIRED_CARD_KEYS if not card.get(key)]
+    if missing:
+        raise ValueError(
+            f"{folder}/README.md lacks YAML front matter keys {', '.join(missing)}; re-export it with `dflash-hf export`."
+        )
+    return files
+
+
+def push_to_hub(
+    folder: str | os.PathLike,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    token: str | None = None,
+    commit_message: str = "Upload DFlash drafter",
+) -> str:
+    """Validate `folder` and upload it to the model repo `repo_id`, creating the repo (and branch) if needed.
+
+    Raises `ValueError` before any network call when the folder is invalid, offline mode is on (`HF_HUB_OFFLINE`)
+    or no token is available. Returns the URL of the commit.
+    """
+    files = validate_hub_folder(folder)
+    if is_offline_mode():
+        raise ValueError(
+            "cannot push: Hugging Face offline mode is on (HF_HUB_OFFLINE=1); unset it, or use --dry-run to check."
+        )
+    token = token or get_token()
+    if token is None:
+        raise ValueError("cannot push: not logged in to the Hugging Face Hub; run `hf auth login` or set HF_TOKEN.")
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    if revision is not None:
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    commit = api.upload_folder(
+        repo_id=repo_id,
+        folder_path=folder,
+        revision=revision,
+        allow_patterns=[file.path for file in files],
+        commit_message=commit_message,
+    )
+    return commit.commit_url
+
+
+__all__ = ["HubFile", "push_to_hub", "validate_hub_folder"]
