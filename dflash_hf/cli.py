@@ -12,6 +12,9 @@ import sys
 
 # sub-command name -> module implementing it
 COMMAND_MODULES: dict[str, str] = {
+    "make-data": "dflash_hf.commands.make_data",
+    "cache-features": "dflash_hf.commands.cache_features",
+    "train": "dflash_hf.commands.train",
     "export": "dflash_hf.commands.export",
     "push": "dflash_hf.commands.push",
 }

@@ -1,1 +1,32 @@
-"""DFlash training (installed as `dflash_hf.trainers`)."""
+"""DFlash training (installed as `dflash_hf.trainers`).
+
+    >>> from dflash_hf.trainers import DFlashTrainer, DFlashTrainingConfig
+    >>> args = DFlashTrainingConfig(output_dir="drafter", block_size=16, num_anchors=512)
+    >>> trainer = DFlashTrainer(args=args, target=target, train_dataset=dataset, processing_class=tokenizer)
+    >>> trainer.train()
+"""
+
+from .config import DFlashTrainingConfig
+from .masks import (
+    block_attention_mask,
+    build_blocks,
+    default_loss_decay_gamma,
+    flex_block_mask,
+    implied_acceptance_length,
+    sample_anchors,
+    slot_loss_weights,
+)
+from .trainer import DFlashDataCollator, DFlashTrainer
+
+__all__ = [
+    "DFlashDataCollator",
+    "DFlashTrainer",
+    "DFlashTrainingConfig",
+    "block_attention_mask",
+    "build_blocks",
+    "default_loss_decay_gamma",
+    "flex_block_mask",
+    "implied_acceptance_length",
+    "sample_anchors",
+    "slot_loss_weights",
+]

@@ -1,0 +1,214 @@
+"""Offline target features: `dflash-hf cache-features` and the dataset that reads them back.
+
+The frozen target's tapped hidden states (the concatenated outputs of `target_layer_ids`, width `k * H`) are
+computed once per training row and stored in bfloat16 safetensors shards:
+
+    FEATURES_DIR/
+        index.json                 # format, target, target_layer_ids, width, row count, shards [{file, start, end, lengths}]
+        shard-00000.safetensors    # one tensor per row, named by its row index, shape (length, k * H)
+        ...
+
+Shards are written to a temporary name and renamed into place, then `index.json` is rewritten (also atomically), so
+a killed run loses at most the shard in progress; rerunning continues after the last indexed row. Storage grows
+linearly with the number of taps: `length * k * H * 2` bytes per row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+FEATURES_FORMAT = "dflash-hf-features/1"
+INDEX_NAME = "index.json"
+
+
+def _atomic_write_json(path: Path, payload: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(payload, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def read_index(features_dir: str | os.PathLike) -> dict[str, Any]:
+    """Read and check `index.json` of a features folder."""
+    path = Path(features_dir) / INDEX_NAME
+    if not path.is_file():
+        raise ValueError(
+            f"{features_dir} is not a features folder (no {INDEX_NAME}); create it with "
+            "`dflash-hf cache-features --target T --data D --out F`."
+        )
+    with open(path) as fh:
+        index = json.load(fh)
+    if index.get("format") != FEATURES_FORMAT:
+        raise ValueError(f"{path} has format {index.get('format')!r}, expected {FEATURES_FORMAT!r}.")
+    return index
+
+
+@torch.no_grad()
+def cache_features(
+    target,
+    dataset,
+    out_dir: str | os.PathLike,
+    target_layer_ids: list[int],
+    *,
+    target_name: str | None = None,
+    max_length: int = 3072,
+    batch_size: int = 4,
+    shard_bytes: int = 512 * 2**20,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Compute and store the tapped target features of every row of `dataset` (rows with `input_ids`).
+
+    Resumable: rows already indexed in `out_dir` are skipped. Returns the index.
+    """
+    from .adapters import TargetAdapter
+
+    from transformers.cache_utils import DynamicCache
+
+    if max_length < 2:
+        raise ValueError(f"max_length must be >= 2, got {max_length}.")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+    if "input_ids" not in dataset.column_names:
+        raise ValueError(f"The dataset has no `input_ids` column (columns: {dataset.column_names}).")
+    adapter = TargetAdapter(target, list(target_layer_ids))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {
+        "format": FEATURES_FORMAT,
+        "target": target_name,
+        "target_model_type": getattr(target.config, "model_type", None),
+        "target_layer_ids": [int(i) for i in target_layer_ids],
+        "hidden_size": adapter.hidden_size,
+        "width": adapter.hidden_size * len(target_layer_ids),
+        "dtype": "bfloat16",
+        "max_length": int(max_length),
+        "num_rows": len(dataset),
+    }
+    if (out / INDEX_NAME).is_file():
+        index = read_index(out)
+        for key in ("target_layer_ids", "width", "max_length", "num_rows"):
+            if index.get(key) != settings[key]:
+                raise ValueError(
+                    f"{out} holds features made with {key}={index.get(key)!r}, not {settings[key]!r}: use another "
+                    "--out folder (or the same settings to resume)."
+                )
+    else:
+        index = {**settings, "shards": []}
+        _atomic_write_json(out / INDEX_NAME, index)
+    for leftover in out.glob(".shard-*.tmp"):
+        leftover.unlink()
+    start = index["shards"][-1]["end"] if index["shards"] else 0
+    device = next(target.parameters()).device
+    total = len(dataset)
+    bar = tqdm(total=total, initial=start, desc="cache-features", unit="row", disable=not progress)
+    pending: dict[str, torch.Tensor] = {}
+    pending_start, pending_bytes, lengths = start, 0, []
+
+    def flush(end: int) -> None:
+        nonlocal pending, pending_start, pending_bytes, lengths
+        if not pending:
+            return
+        name = f"shard-{len(index['shards']):05d}.safetensors"
+        tmp = out / f".{name}.tmp"
+        save_file(pending, str(tmp), metadata={"format": FEATURES_FORMAT})
+        os.replace(tmp, out / name)
+        index["shards"].append({"file": name, "start": pending_start, "end": end, "lengths": lengths})
+        _atomic_write_json(out / INDEX_NAME, index)
+        pending, pending_start, pending_bytes, lengths = {}, end, 0, []
+
+    row = start
+    while row < total:
+        rows = list(range(row, min(row + batch_size, total)))
+        seqs = [list(dataset[i]["input_ids"])[:max_length] for i in rows]
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for j, s in enumerate(seqs):
+            ids[j, : len(s)] = torch.tensor(s, dtype=torch.long)
+            mask[j, : len(s)] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = torch.arange(width, device=device)[None].expand(len(seqs), -1)
+        tapped = adapter.forward(ids, mask, positions, DynamicCache()).tapped_hidden_states
+        for j, (i, s) in enumerate(zip(rows, seqs)):
+            tensor = tapped[j, : len(s)].to(torch.bfloat16).cpu().contiguous()
+            pending[str(i)] = tensor
+            pending_bytes += tensor.numel() * 2
+            lengths.append(len(s))
+        row = rows[-1] + 1
+        bar.update(len(rows))
+        if pending_bytes >= shard_bytes:
+            flush(row)
+    flush(row)
+    bar.close()
+    return index
+
+
+class OfflineFeatureDataset(torch.utils.data.Dataset):
+    """A `make-data` dataset whose rows also carry `target_hidden` (bf16 `(length, k * H)`) read from a features folder."""
+
+    def __init__(self, dataset, features_dir: str | os.PathLike, target_layer_ids: list[int] | None = None) -> None:
+        self.dataset = dataset
+        self.features_dir = Path(features_dir)
+        self.index = read_index(features_dir)
+        if target_layer_ids is not None and list(self.index["target_layer_ids"]) != [int(i) for i in target_layer_ids]:
+            raise ValueError(
+                f"The features in {features_dir} tap target layers {self.index['target_layer_ids']} but the drafter "
+                f"uses {list(target_layer_ids)}: recache with --target-layer-ids "
+                f"{' '.join(map(str, target_layer_ids))} or train with features='online'."
+            )
+        covered = self.index["shards"][-1]["end"] if self.index["shards"] else 0
+        if self.index["num_rows"] != len(dataset) or covered != len(dataset):
+            raise ValueError(
+                f"The features in {features_dir} cover {covered} of {self.index['num_rows']} rows but the dataset has "
+                f"{len(dataset)}: finish (rerun) `dflash-hf cache-features` on this dataset."
+            )
+        self._shard_of: list[tuple[int, str]] = [(s["end"], s["file"]) for s in self.index["shards"]]
+        self._handles: dict[str, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def _shard(self, row: int) -> str:
+        lo, hi = 0, len(self._shard_of)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._shard_of[mid][0] <= row:
+                lo = mid + 1
+            else:
+                hi = mid
+        return self._shard_of[lo][1]
+
+    def features(self, row: int) -> torch.Tensor:
+        name = self._shard(row)
+        handle = self._handles.get(name)
+        if handle is None:
+            handle = safe_open(str(self.features_dir / name), framework="pt")
+            self._handles[name] = handle
+        return handle.get_tensor(str(row))
+
+    def __getitem__(self, row: int) -> dict[str, Any]:
+        item = dict(self.dataset[int(row)])
+        hidden = self.features(int(row))
+        expected = min(len(item["input_ids"]), int(self.index["max_length"]))
+        if hidden.shape[0] != expected:
+            raise ValueError(
+                f"Row {row}: cached features cover {hidden.shape[0]} tokens, the row has {expected}: the features "
+                "folder was made from another dataset; recache it."
+            )
+        item["target_hidden"] = hidden
+        return item
+
+    def __getstate__(self):  # dataloader workers reopen the shards
+        state = dict(self.__dict__)
+        state["_handles"] = {}
+        return state

@@ -1,0 +1,108 @@
+"""`DFlashTrainingConfig`: training arguments of a DFlash drafter.
+
+Like TRL's trainer configs (`SFTConfig`, `DPOConfig`, ...) it is a dataclass extending
+`transformers.TrainingArguments`: every Trainer option (batch size, accumulation, checkpointing, `bf16`, `seed`,
+`resume_from_checkpoint`, ...) works unchanged, the recipe-specific fields are added, and the defaults follow the
+DFlash paper (AdamW, lr 6e-4, cosine schedule, warmup 4%, grad clip 1.0, 6 epochs, max length 3072, 5 draft layers,
+5 target taps, 512 anchors per sequence, B = 16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from .masks import default_loss_decay_gamma
+
+FEATURE_MODES = ("online", "offline")
+ATTENTION_BACKENDS = ("auto", "flex_attention", "sdpa", "eager")
+
+
+@dataclass
+class DFlashTrainingConfig(TrainingArguments):
+    r"""
+    Configuration of [`DFlashTrainer`]. Only the DFlash-specific parameters are listed; see
+    [`~transformers.TrainingArguments`] for the rest.
+
+    Parameters:
+        block_size (`int`, defaults to `16`): Tokens per training block (anchor + `block_size - 1` predicted slots).
+            A drafter trained with a larger block generalises down to smaller inference blocks, not up.
+        num_anchors (`int`, defaults to `512`): Maximum number of random anchors (blocks) per sequence and step.
+        loss_decay_gamma (`float`, *optional*): Slot `k` is weighted by `exp(-(k - 1) / gamma)`. Defaults by block
+            size: 7 for B=16, 5 for B=10, 4 for B=8 (see `default_loss_decay_gamma` for other sizes).
+        num_draft_layers (`int`, defaults to `5`): Decoder layers of a new drafter.
+        target_layer_ids (`list[int]`, *optional*): Target layers tapped for the context feature; by default
+            `num_target_features` layers spread over the target (DESIGN.md §2).
+        num_target_features (`int`, defaults to `5`): Number of taps when `target_layer_ids` is not given.
+        mask_token_id (`int`, *optional*): Embedding row used for masked slots; by default the first row past the
+            tokenizer's ids, else the last row (`DFlashConfig.from_target`).
+        features (`str`, defaults to `"online"`): `"online"` runs the frozen target each step; `"offline"` reads
+            features stored by `dflash-hf cache-features` from `features_dir`.
+        features_dir (`str`, *optional*): Folder written by `dflash-hf cache-features` (offline features).
+        max_length (`int`, defaults to `3072`): Sequences are truncated to this many tokens.
+        attention_backend (`str`, defaults to `"auto"`): Drafter attention during training: `"flex_attention"`
+            (sparse block mask; the default on GPU), `"sdpa"` with a dense boolean mask (the default on CPU, where
+            flex attention has no backward) or `"eager"`.
+    """
+
+    block_size: int = field(default=16, metadata={"help": "Tokens per training block (anchor + block_size - 1 slots)."})
+    num_anchors: int = field(default=512, metadata={"help": "Maximum random anchors (blocks) per sequence."})
+    loss_decay_gamma: float | None = field(
+        default=None,
+        metadata={"help": "Slot k loss weight exp(-(k-1)/gamma). Default by block size: 16->7, 10->5, 8->4."},
+    )
+    num_draft_layers: int = field(default=5, metadata={"help": "Decoder layers of a new drafter."})
+    target_layer_ids: list[int] | None = field(
+        default=None, metadata={"help": "Target layers tapped for the context feature (default: spread)."}
+    )
+    num_target_features: int = field(default=5, metadata={"help": "Number of taps when target_layer_ids is unset."})
+    mask_token_id: int | None = field(default=None, metadata={"help": "Embedding row used for masked slots."})
+    features: str = field(
+        default="online", metadata={"help": "'online' (target forward each step) or 'offline' (cached features)."}
+    )
+    features_dir: str | None = field(default=None, metadata={"help": "Folder written by `dflash-hf cache-features`."})
+    max_length: int = field(default=3072, metadata={"help": "Truncate sequences to this many tokens."})
+    attention_backend: str = field(
+        default="auto", metadata={"help": "'auto' (flex on GPU, sdpa on CPU), 'flex_attention', 'sdpa' or 'eager'."}
+    )
+
+    # Paper defaults for the inherited Trainer options.
+    learning_rate: float = field(default=6e-4, metadata={"help": "Peak AdamW learning rate."})
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": "Learning-rate schedule."})
+    warmup_steps: float = field(
+        default=0.04, metadata={"help": "Warmup steps (an int) or a ratio of the total steps (a float < 1)."}
+    )
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm."})
+    num_train_epochs: float = field(default=6.0, metadata={"help": "Training epochs."})
+    logging_steps: float = field(default=10, metadata={"help": "Log every X update steps."})
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "Keep dataset columns (the collator needs input_ids and loss_mask)."}
+    )
+
+    def __post_init__(self):
+        if int(self.block_size) < 2:
+            raise ValueError(f"block_size must be >= 2 (an anchor plus at least one predicted slot), got {self.block_size}.")
+        if int(self.num_anchors) < 1:
+            raise ValueError(f"num_anchors must be >= 1, got {self.num_anchors}.")
+        if int(self.max_length) < int(self.block_size) + 1:
+            raise ValueError(
+                f"max_length ({self.max_length}) must exceed block_size ({self.block_size}): a sequence needs room for "
+                "at least one prompt token and one whole block."
+            )
+        if self.features not in FEATURE_MODES:
+            raise ValueError(f"features must be one of {FEATURE_MODES}, got {self.features!r}.")
+        if self.features == "offline" and not self.features_dir:
+            raise ValueError(
+                "features='offline' needs features_dir: run `dflash-hf cache-features --target T --data D --out F` "
+                "first and pass --features_dir F (or use features='online')."
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
+        if self.loss_decay_gamma is None:
+            self.loss_decay_gamma = default_loss_decay_gamma(self.block_size)
+        elif float(self.loss_decay_gamma) <= 0:
+            raise ValueError(f"loss_decay_gamma must be > 0, got {self.loss_decay_gamma}.")
+        if self.target_layer_ids is not None:
+            self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        super().__post_init__()

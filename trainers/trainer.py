@@ -1,0 +1,355 @@
+"""`DFlashTrainer`: trains a DFlash drafter against a frozen target (DESIGN.md §4).
+
+Why `transformers.Trainer` and not a TRL trainer: no TRL trainer fits. `SFTTrainer` (the closest) assumes the
+trained model is a causal LM that embeds its own inputs and computes its own logits from `labels`, and it prepares
+text datasets (tokenising, packing) and wraps the *trained* model with PEFT. A DFlash drafter has no embedding and
+no LM head: it is fed by a second, frozen model (the target: hidden-state features, embedding, LM head) and trained
+on sparse random blocks with a custom mask. Subclassing `SFTTrainer` would mean overriding nearly all of it. So the
+trainer subclasses `transformers.Trainer` and follows TRL's conventions: a `*Config` dataclass extending
+`TrainingArguments` with the recipe's defaults ([`DFlashTrainingConfig`]), `processing_class`, a built-in data
+collator, metrics accumulated per mode and merged into `log()`, `_tag_names` and a model card.
+
+What it does per batch:
+
+1. context features: the frozen target's tapped hidden states (online: one `TargetAdapter.forward`; offline: read
+   from a `dflash-hf cache-features` folder);
+2. up to `num_anchors` random anchors per sequence among the response tokens with room for a whole block;
+3. one drafter forward over all blocks of the batch: `[anchor, MASK * (B - 1)]` per block after the context, with
+   the sparse mask (context strictly before the anchor + own block; blocks blind to each other) as a flex
+   `BlockMask` on GPU or a dense boolean mask (SDPA) on CPU;
+4. same-position labels, target LM head on the labelled slots only, cross-entropy weighted by
+   `exp(-(k - 1) / gamma)` and normalised by the weight sum.
+
+Only the drafter is handed to the `Trainer` (optimised, checkpointed, wrapped for DDP); the target, its embedding
+and its LM head stay frozen (a PEFT/LoRA-adapted target is frozen too, adapters included).
+
+Logged metrics (train and eval): `loss`, `accuracy` (all slots), `accuracy_slot_{k}` for k = 1..B-1,
+`acceptance_length` (implied by the per-slot accuracies: `1 + sum_k prod_{i<=k} acc_i`) and
+`acceptance_length_blockwise` (mean accepted prefix + 1 measured block by block, what greedy verification would
+accept against the training data).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel, Trainer
+from transformers.cache_utils import DynamicCache
+
+from dflash_hf.adapters import TargetAdapter
+from dflash_hf.modeling import DFlashConfig, DFlashDraftModel
+
+from .config import DFlashTrainingConfig
+from .masks import block_attention_mask, build_blocks, flex_block_mask, implied_acceptance_length, sample_anchors
+
+
+class DFlashDataCollator:
+    """Right-pads `input_ids`/`loss_mask` (and offline `target_hidden`) and truncates to `max_length`."""
+
+    def __init__(self, pad_token_id: int = 0, max_length: int | None = None) -> None:
+        self.pad_token_id = int(pad_token_id)
+        self.max_length = max_length
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if not features:
+            raise ValueError("Empty batch.")
+        for key in ("input_ids", "loss_mask"):
+            if key not in features[0]:
+                raise ValueError(
+                    f"Training rows need `input_ids` and `loss_mask` (got columns {sorted(features[0])}); make the "
+                    "dataset with `dflash-hf make-data`."
+                )
+        ids = [torch.as_tensor(f["input_ids"], dtype=torch.long) for f in features]
+        masks = [torch.as_tensor(f["loss_mask"], dtype=torch.long) for f in features]
+        if self.max_length is not None:
+            ids = [t[: self.max_length] for t in ids]
+            masks = [t[: self.max_length] for t in masks]
+        for t, m in zip(ids, masks):
+            if t.shape != m.shape:
+                raise ValueError(f"input_ids ({t.numel()}) and loss_mask ({m.numel()}) lengths differ in a row.")
+        length = max(t.numel() for t in ids)
+        batch = {
+            "input_ids": torch.full((len(ids), length), self.pad_token_id, dtype=torch.long),
+            "loss_mask": torch.zeros(len(ids), length, dtype=torch.long),
+            "attention_mask": torch.zeros(len(ids), length, dtype=torch.long),
+        }
+        for row, (t, m) in enumerate(zip(ids, masks)):
+            batch["input_ids"][row, : t.numel()] = t
+            batch["loss_mask"][row, : t.numel()] = m
+            batch["attention_mask"][row, : t.numel()] = 1
+        if "target_hidden" in features[0]:
+            hidden = [torch.as_tensor(f["target_hidden"]) for f in features]
+            width = hidden[0].shape[-1]
+            padded = torch.zeros(len(ids), length, width, dtype=hidden[0].dtype)
+            for row, h in enumerate(hidden):
+                n = min(h.shape[0], length, ids[row].numel())
+                if h.shape[0] < ids[row].numel():
+                    raise ValueError(
+                        f"Cached features cover {h.shape[0]} tokens but the row has {ids[row].numel()}: the features "
+                        "were cached with a smaller max length; rerun `dflash-hf cache-features` with --max-length "
+                        ">= the training max_length."
+                    )
+                padded[row, :n] = h[:n]
+            batch["target_hidden"] = padded
+        return batch
+
+
+def _resolve_attention(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "flex_attention" if device.type == "cuda" else "sdpa"
+    return backend
+
+
+class DFlashTrainer(Trainer):
+    """Trainer of a DFlash drafter against a frozen target; see the module docstring.
+
+    Args:
+        model (`DFlashDraftModel` or `str`, *optional*): The drafter to train, or a path/repo to load it from. When
+            omitted, a new drafter is built from the target (`DFlashConfig.from_target` with the config's
+            `num_draft_layers`, `block_size`, `target_layer_ids`/`num_target_features`, `mask_token_id`).
+        args ([`DFlashTrainingConfig`]): Training configuration.
+        target (`PreTrainedModel`): The frozen target (optionally PEFT-adapted). Supplies features (online), the
+            shared embedding and the LM head.
+        train_dataset / eval_dataset: Rows with `input_ids` and `loss_mask` (a `dflash-hf make-data` dataset), or,
+            with `features="offline"`, a dataset whose rows also carry `target_hidden` (see
+            `dflash_hf.features.OfflineFeatureDataset`, built automatically from `features_dir`).
+        processing_class: The target's tokenizer (for the pad id, the default mask id and the model card).
+    """
+
+    _tag_names = ["dflash", "dflash-hf", "speculative-decoding"]
+    _name = "DFlash"
+
+    def __init__(
+        self,
+        model: DFlashDraftModel | str | None = None,
+        args: DFlashTrainingConfig | None = None,
+        target: PreTrainedModel | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        data_collator=None,
+        callbacks=None,
+        optimizers=(None, None),
+        **kwargs,
+    ) -> None:
+        if args is None:
+            args = DFlashTrainingConfig(output_dir="dflash-drafter")
+        elif not isinstance(args, DFlashTrainingConfig):
+            raise ValueError(
+                f"args must be a DFlashTrainingConfig, got {type(args).__name__}: build it with "
+                "`DFlashTrainingConfig(output_dir=..., ...)`."
+            )
+        if target is None:
+            raise ValueError(
+                "DFlashTrainer needs the frozen `target` model: the drafter is conditioned on its hidden states and "
+                "shares its embedding and LM head."
+            )
+        if isinstance(model, str):
+            model = DFlashDraftModel.from_pretrained(model)
+        if model is None:
+            mask_token_id = args.mask_token_id
+            model = DFlashDraftModel(
+                DFlashConfig.from_target(
+                    target.config,
+                    num_hidden_layers=args.num_draft_layers,
+                    block_size=args.block_size,
+                    num_target_features=args.num_target_features,
+                    mask_token_id=mask_token_id,
+                    target_layer_ids=args.target_layer_ids,
+                    tokenizer=processing_class,
+                )
+            )
+        if not isinstance(model, DFlashDraftModel):
+            raise ValueError(f"model must be a DFlashDraftModel (or a path to one), got {type(model).__name__}.")
+        if int(model.config.block_size) != int(args.block_size):
+            raise ValueError(
+                f"The drafter was built for block_size {model.config.block_size} but the training config says "
+                f"{args.block_size}: pass --block_size {model.config.block_size} (or start a new drafter)."
+            )
+        if args.target_layer_ids is not None and list(args.target_layer_ids) != list(model.config.target_layer_ids):
+            raise ValueError(
+                f"The drafter taps target layers {model.config.target_layer_ids} but the training config says "
+                f"{args.target_layer_ids}: drop --target_layer_ids or start a new drafter."
+            )
+
+        self.target = target
+        self.target.requires_grad_(False)
+        self.target.eval()
+        self.adapter = TargetAdapter(target, list(model.config.target_layer_ids))
+        self.adapter.check_drafter(model)
+        self.block_size = int(model.config.block_size)
+        self.mask_token_id = int(model.config.mask_token_id)
+        self.loss_decay_gamma = float(args.loss_decay_gamma)
+        self.num_anchors = int(args.num_anchors)
+
+        if args.features == "offline":
+            from dflash_hf.features import OfflineFeatureDataset
+
+            if train_dataset is not None and not isinstance(train_dataset, OfflineFeatureDataset):
+                train_dataset = OfflineFeatureDataset(train_dataset, args.features_dir, model.config.target_layer_ids)
+        if data_collator is None:
+            pad = getattr(processing_class, "pad_token_id", None)
+            if pad is None:
+                pad = getattr(processing_class, "eos_token_id", None)
+            data_collator = DFlashDataCollator(pad_token_id=pad or 0, max_length=args.max_length)
+
+        super().__init__(
+            model=model,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            data_collator=data_collator,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            **kwargs,
+        )
+        # The loss is already a weighted mean over the batch; let the Trainer divide by the accumulation steps.
+        self.model_accepts_loss_kwargs = False
+        self.attn_implementation = _resolve_attention(args.attention_backend, self.args.device)
+        self._set_attention(self.model, self.attn_implementation)
+        if self.target.device != self.args.device and not getattr(self.target, "hf_device_map", None):
+            self.target.to(self.args.device)
+        self._metric_sums = {mode: self._zero_sums() for mode in ("train", "eval")}
+
+    # ---------------------------------------------------------------- helpers
+    @staticmethod
+    def _set_attention(model: PreTrainedModel, implementation: str) -> None:
+        setter = getattr(model, "set_attn_implementation", None)
+        if setter is not None:
+            try:
+                setter(implementation)
+                return
+            except (ValueError, ImportError, AttributeError):
+                pass
+        model.config._attn_implementation = implementation
+
+    def _zero_sums(self) -> dict[str, torch.Tensor]:
+        device = self.args.device
+        return {
+            "slot_correct": torch.zeros(self.block_size, device=device, dtype=torch.float64),
+            "slot_total": torch.zeros(self.block_size, device=device, dtype=torch.float64),
+            "prefix_sum": torch.zeros((), device=device, dtype=torch.float64),
+            "blocks": torch.zeros((), device=device, dtype=torch.float64),
+        }
+
+    @torch.no_grad()
+    def target_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Tapped target hidden states `(b, n, k * H)` for a right-padded batch (online mode)."""
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
+        step = self.adapter.forward(input_ids, attention_mask, position_ids, DynamicCache())
+        return step.tapped_hidden_states
+
+    def dflash_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, torch.Tensor],
+        attn_implementation: str | None = None,
+        anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Weighted block loss of one batch and the statistics behind the metrics.
+
+        `anchors=(anchors, anchor_valid)` overrides the random sampling (tests, reproducible evaluation).
+        """
+        input_ids = inputs["input_ids"]
+        loss_mask = inputs["loss_mask"]
+        attention_mask = inputs.get("attention_mask")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        lengths = attention_mask.sum(dim=1)
+        if "target_hidden" in inputs:
+            context = inputs["target_hidden"]
+        else:
+            context = self.target_features(input_ids, attention_mask)
+        batch, seq = input_ids.shape
+        block = self.block_size
+        if anchors is None:
+            anchors = sample_anchors(loss_mask, lengths, block, self.num_anchors)
+        anchor_ids, anchor_valid = anchors
+        blocks = build_blocks(
+            input_ids, loss_mask, anchor_ids, anchor_valid, block, self.mask_token_id, self.loss_decay_gamma
+        )
+        num = anchor_ids.shape[1]
+        with torch.no_grad():
+            noise_embeds = self.adapter.embed(blocks.block_ids)
+        implementation = attn_implementation or self.attn_implementation
+        if implementation == "flex_attention":
+            mask = flex_block_mask(anchor_ids, anchor_valid, seq, block)
+        else:
+            mask = block_attention_mask(anchor_ids, anchor_valid, seq, block)
+        output = model(
+            noise_embeds=noise_embeds,
+            context_hidden_states=context,
+            position_ids=blocks.position_ids,
+            attention_mask=mask,
+        )
+        hidden = output.last_hidden_state.view(batch, num, block, -1)
+        selected = blocks.weights > 0
+        weights = blocks.weights[selected]
+        if weights.numel() == 0:  # no sequence had room for a block: keep every parameter in the graph (DDP)
+            loss = hidden.sum() * 0.0
+            stats = {"correct": torch.zeros_like(blocks.weights, dtype=torch.bool), "selected": selected}
+            return loss, stats
+        logits = self.adapter.logits(hidden[selected])
+        labels = blocks.labels[selected]
+        ce = F.cross_entropy(logits, labels, reduction="none")
+        loss = (ce * weights).sum() / weights.sum()
+        correct = torch.zeros_like(selected)
+        correct[selected] = logits.argmax(dim=-1) == labels
+        return loss, {"correct": correct, "selected": selected, "anchor_valid": anchor_valid}
+
+    def _accumulate(self, mode: str, stats: dict[str, torch.Tensor]) -> None:
+        sums = self._metric_sums[mode]
+        correct, selected = stats["correct"].detach(), stats["selected"].detach()
+        sums["slot_correct"] += correct.sum(dim=(0, 1)).to(torch.float64)
+        sums["slot_total"] += selected.sum(dim=(0, 1)).to(torch.float64)
+        if "anchor_valid" in stats:
+            prefix = torch.cumprod(correct[:, :, 1:].long(), dim=-1).sum(dim=-1)  # accepted drafts per block
+            valid = stats["anchor_valid"]
+            sums["prefix_sum"] += prefix[valid].sum().to(torch.float64)
+            sums["blocks"] += valid.sum().to(torch.float64)
+
+    # ---------------------------------------------------------------- Trainer hooks
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, stats = self.dflash_loss(model, inputs)
+        mode = "train" if model.training else "eval"
+        self._accumulate(mode, stats)
+        return (loss, stats) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def _metrics(self, mode: str) -> dict[str, float]:
+        sums = self._metric_sums[mode]
+        reduced = {k: self.accelerator.reduce(v.clone(), reduction="sum") for k, v in sums.items()}
+        self._metric_sums[mode] = self._zero_sums()
+        total = reduced["slot_total"]
+        if float(total.sum()) == 0:
+            return {}
+        acc = (reduced["slot_correct"] / total.clamp_min(1)).tolist()
+        slot_acc = [acc[k] if float(total[k]) > 0 else float("nan") for k in range(1, self.block_size)]
+        metrics = {"accuracy": float(reduced["slot_correct"].sum() / total.sum())}
+        for k, value in enumerate(slot_acc, start=1):
+            metrics[f"accuracy_slot_{k}"] = value
+        metrics["acceptance_length"] = implied_acceptance_length(slot_acc)
+        if float(reduced["blocks"]) > 0:
+            metrics["acceptance_length_blockwise"] = 1.0 + float(reduced["prefix_sum"] / reduced["blocks"])
+        return metrics
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
+        metrics = self._metrics(mode)
+        if mode == "eval":
+            metrics = {f"eval_{key}": value for key, value in metrics.items()}
+        if "loss" in logs or "eval_loss" in logs:
+            logs = {**logs, **metrics}
+        super().log(logs, start_time)
+
+    def create_model_card(self, *args, **kwargs) -> None:
+        """Model cards of trained drafters are written by `dflash_hf.export` (see `dflash-hf train`)."""
+        return None
