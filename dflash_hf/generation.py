@@ -15,6 +15,7 @@ Entry points:
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -176,17 +177,18 @@ class _Decoder:
         return prefixes
 
     def _first_token(self, logits: torch.Tensor) -> torch.LongTensor:
-        prefixes = [self.sequences[row, : self.lengths[row]] for row in range(self.batch)]
+        def prefixes():
+            return [self.sequences[row, : self.lengths[row]] for row in range(self.batch)]
+
         scores = self.process(logits[:, None, :], prefixes)[:, 0]
         if self.do_sample:
             return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         return scores.argmax(dim=-1)
 
-    def _propose(self, draft_logits: torch.Tensor, rows: list[int], anchors: torch.LongTensor):
+    def _propose(self, draft_logits: torch.Tensor, rows: list[int]):
         """Draft tokens (and their proposal distributions when sampling) from per-slot drafter logits."""
         if self.process.is_identity or self.process.prefix_free:
-            dummy = [self.sequences[rows[0], : self.lengths[rows[0]]]]
-            scores = self.process(draft_logits, dummy * len(rows))
+            scores = self.process(draft_logits, lambda: [])
             if not self.do_sample:
                 return scores.argmax(dim=-1), None
             probs = torch.softmax(scores, dim=-1)
@@ -209,7 +211,7 @@ class _Decoder:
         return tokens, probs
 
     def _verify(self, target_logits: torch.Tensor, block_tokens, draft_tokens, draft_probs, rows):
-        scores = self.process(target_logits, self._row_prefixes(rows, block_tokens))
+        scores = self.process(target_logits, lambda: self._row_prefixes(rows, block_tokens))
         if self.do_sample:
             return rejection_sample(draft_tokens, draft_probs, torch.softmax(scores, dim=-1))
         return greedy_accept(draft_tokens, scores.argmax(dim=-1))
@@ -277,7 +279,7 @@ class _Decoder:
                 )
                 truncate_cache(draft_cache, mask.shape[1])
                 draft_logits = adapter.logits(out.last_hidden_state[:, 1:])
-                draft_tokens, draft_probs = self._propose(draft_logits, rows, anchors)
+                draft_tokens, draft_probs = self._propose(draft_logits, rows)
 
             # 3. re-align rows that committed fewer tokens last cycle (both caches now have the same layout)
             if bool(pending_shift.any()):
@@ -357,6 +359,24 @@ class _Decoder:
         )
 
 
+def _streamer_of_calling_generate():
+    """The `streamer` given to the `model.generate` call that invoked `custom_generate`.
+
+    Transformers 5.23/5.24 hand a callable `custom_generate` only the keyword arguments its own signature adds, so a
+    `streamer=` passed to `generate` reaches the prompt (`generate` streams it itself) but not the callable. Reading it
+    from the calling `generate` frame keeps `target.generate(..., custom_generate=..., streamer=s)` meaningful.
+    """
+    frame = inspect.currentframe()
+    try:
+        caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
+        if caller is None or caller.f_code.co_name != "generate":
+            return None
+        candidate = caller.f_locals.get("streamer")
+        return candidate if hasattr(candidate, "put") and hasattr(candidate, "end") else None
+    finally:
+        del frame
+
+
 def custom_generate(
     model: PreTrainedModel,
     input_ids: torch.LongTensor,
@@ -383,6 +403,8 @@ def custom_generate(
     if synced_gpus:
         raise ValueError("DFlash generation does not support `synced_gpus` (DeepSpeed ZeRO-3 / FSDP generation).")
     _check_request(input_ids, generation_config)
+    if streamer is None:
+        streamer = _streamer_of_calling_generate()
     decoder = _Decoder(
         target=model,
         drafter=drafter,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers.generation.logits_process import (
     EpsilonLogitsWarper,
@@ -39,23 +41,22 @@ class BlockLogitsProcessor:
         self.is_identity = len(self.processors) == 0
         self.prefix_free = all(isinstance(proc, _PREFIX_FREE) for proc in self.processors)
 
-    def __call__(self, logits: torch.Tensor, prefixes: list[torch.LongTensor]) -> torch.Tensor:
-        """Process `logits[i, j]` as the scores following `prefixes[i]` extended by `j` block tokens.
+    def __call__(self, logits: torch.Tensor, prefixes: Callable[[], list[torch.LongTensor]]) -> torch.Tensor:
+        """Process `logits[i, j]` as the scores following row `i`'s sequence extended by `j` block tokens.
 
         Args:
             logits: `(batch, slots, vocab)` float logits.
-            prefixes: per row, the 1D sequence up to and including block slot `slots - 1` (the caller passes the row's
-                sequence followed by the block tokens; slot `j` sees its first `len - (slots - 1 - j)` entries).
+            prefixes: builds, only when a processor needs them, per row the 1D sequence up to and including block
+                slot `slots - 1`; slot `j` sees its first `len - (slots - 1 - j)` entries.
         """
         if self.is_identity:
             return logits
         batch, slots, vocab = logits.shape
         if self.prefix_free:
-            flat_ids = prefixes[0][None, :].expand(batch * slots, -1)
+            flat_ids = torch.zeros(batch * slots, 1, dtype=torch.long, device=logits.device)
             return self.processors(flat_ids, logits.reshape(batch * slots, vocab)).view(batch, slots, vocab)
         out = torch.empty_like(logits)
-        for row in range(batch):
-            sequence = prefixes[row]
+        for row, sequence in enumerate(prefixes()):
             for slot in range(slots):
                 end = sequence.shape[0] - (slots - 1 - slot)
                 out[row, slot] = self.processors(sequence[None, :end], logits[row, slot][None])[0]

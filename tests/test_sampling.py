@@ -1,0 +1,98 @@
+"""Sampling stays lossless: the drafted-and-verified tokens follow the target's own distribution exactly."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+import dflash_hf
+import dflash_hf.generation as generation
+from dflash_hf import DFlashConfig, DFlashDraftModel
+
+VOCAB = 8
+TEMPERATURE, TOP_K = 1.3, 6
+SAMPLES = 6000
+
+
+def _tiny_models():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=5, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, initializer_range=0.5, pad_token_id=0, eos_token_id=None,
+    )
+    target = LlamaForCausalLM(config).eval()
+    target.generation_config.eos_token_id = None
+    target.generation_config.pad_token_id = 0
+    torch.manual_seed(1)
+    drafter = DFlashDraftModel(
+        DFlashConfig.from_target(config, num_hidden_layers=1, block_size=4, num_target_features=2)
+    ).eval()
+    return target, drafter
+
+
+def _processed_probs(target, sequences: torch.Tensor) -> torch.Tensor:
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(TEMPERATURE), TopKLogitsWarper(TOP_K)])
+    with torch.no_grad():
+        logits = target(sequences).logits[:, -1].float()
+    return torch.softmax(warpers(sequences, logits), dim=-1)
+
+
+def _exact_joint_of_tokens_2_and_3(target, prompt: torch.Tensor) -> torch.Tensor:
+    """P(t2, t3) of plain sampling, summing out t1 (exact enumeration over the vocabulary)."""
+    p1 = _processed_probs(target, prompt)[0]
+    firsts = torch.cat([prompt.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], dim=1)
+    p2 = _processed_probs(target, firsts)  # (t1, t2)
+    pairs = torch.tensor(list(itertools.product(range(VOCAB), repeat=2)))
+    seconds = torch.cat([prompt.expand(len(pairs), -1), pairs], dim=1)
+    p3 = _processed_probs(target, seconds).view(VOCAB, VOCAB, VOCAB)  # (t1, t2, t3)
+    return (p1[:, None, None] * p2[:, :, None] * p3).sum(0)
+
+
+def _chi_square(target, drafter, prompt, expected: torch.Tensor) -> float:
+    torch.manual_seed(1234)
+    out = dflash_hf.generate(
+        target, drafter, prompt.expand(SAMPLES, -1).contiguous(), max_new_tokens=3, do_sample=True,
+        temperature=TEMPERATURE, top_k=TOP_K, top_p=1.0,
+    )
+    t2, t3 = out[:, -2], out[:, -1]
+    counts = torch.bincount(t2 * VOCAB + t3, minlength=VOCAB * VOCAB).double()
+    expected_counts = expected.reshape(-1).double() * SAMPLES
+    keep = expected_counts > 5  # standard chi-square validity; the rare cells are pooled
+    pooled = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    pooled_expected = torch.cat([expected_counts[keep], expected_counts[~keep].sum()[None]])
+    return float(((pooled - pooled_expected) ** 2 / pooled_expected.clamp_min(1e-9)).sum()), int(keep.sum())
+
+
+def _bound(cells: int) -> float:
+    dof = cells  # pooled cell included, minus one constraint
+    return dof + 5 * (2 * dof) ** 0.5
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target, drafter = _tiny_models()
+    prompt = torch.tensor([[3, 5, 1, 6]])
+    return target, drafter, prompt, _exact_joint_of_tokens_2_and_3(target, prompt)
+
+
+def test_speculative_sampling_matches_target_distribution(setup):
+    target, drafter, prompt, expected = setup
+    statistic, cells = _chi_square(target, drafter, prompt, expected)
+    assert statistic < _bound(cells), statistic
+
+
+def test_biased_sampler_is_caught(setup, monkeypatch):
+    """Accepting every draft token samples from the drafter, not the target: the same bound must reject it."""
+    target, drafter, prompt, expected = setup
+
+    def accept_everything(draft_tokens, draft_probs, target_probs):
+        accepted = torch.full((draft_tokens.shape[0],), draft_tokens.shape[1], dtype=torch.long)
+        return accepted, torch.multinomial(target_probs[:, -1], 1).squeeze(1)
+
+    monkeypatch.setattr(generation, "rejection_sample", accept_everything)
+    statistic, cells = _chi_square(target, drafter, prompt, expected)
+    assert statistic > _bound(cells), statistic
