@@ -43,3 +43,50 @@ def write_prompts(path: Path, prompts=PROMPTS, extra: list[dict] | None = None) 
     rows = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(prompts)] + list(extra or [])
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def make_tiny_target(family: str = "llama", seed: int = 0, vocab_size: int = 64):
+    """A tiny random target (hidden 64, 6 layers) of a supported family, built offline."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, initializer_range=0.3,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    elif family == "gemma3":
+        config = Gemma3TextConfig(
+            **common, sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+            final_logit_softcapping=30.0, query_pre_attn_scalar=16,
+        )
+        model = Gemma3ForCausalLM(config)
+    else:
+        raise ValueError(family)
+    model.config._attn_implementation = "sdpa"
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = 2
+    return model.eval()
+
+
+def one_thread():
+    """Context manager: torch on one thread (tiny models run ~10x faster than on 2 contended threads)."""
+    import contextlib
+
+    import torch
+
+    @contextlib.contextmanager
+    def manager():
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+    return manager()

@@ -217,13 +217,7 @@ class DFlashTrainer(Trainer):
     # ---------------------------------------------------------------- helpers
     @staticmethod
     def _set_attention(model: PreTrainedModel, implementation: str) -> None:
-        setter = getattr(model, "set_attn_implementation", None)
-        if setter is not None:
-            try:
-                setter(implementation)
-                return
-            except (ValueError, ImportError, AttributeError):
-                pass
+        # The drafter dispatches through `ALL_ATTENTION_FUNCTIONS[config._attn_implementation]` on every call.
         model.config._attn_implementation = implementation
 
     def _zero_sums(self) -> dict[str, torch.Tensor]:

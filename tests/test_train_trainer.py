@@ -1,0 +1,175 @@
+"""DFlashTrainer: frozen target, attention backends, offline features, checkpoints that resume the same run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_train_helpers import make_tiny_target, make_tokenizer, one_thread, write_prompts
+
+from dflash_hf.data import load_training_data, make_data
+from dflash_hf.features import OfflineFeatureDataset, cache_features, read_index
+from dflash_hf.trainers import DFlashDataCollator, DFlashTrainer, DFlashTrainingConfig, sample_anchors
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    with one_thread():
+        target = make_tiny_target("llama")
+        tok = make_tokenizer()
+        root = tmp_path_factory.mktemp("train")
+        prompts = write_prompts(root / "prompts.jsonl")
+        make_data(target, tok, root / "data", source=str(prompts), max_new_tokens=24, held_out_fraction=0.0,
+                  progress=False)
+        return target, tok, load_training_data(root / "data"), root
+
+
+def config(tmp_path, **kw):
+    base = dict(
+        output_dir=str(tmp_path), block_size=4, num_anchors=8, num_draft_layers=2, num_target_features=2,
+        per_device_train_batch_size=3, learning_rate=1e-3, use_cpu=True, report_to="none", disable_tqdm=True,
+        logging_steps=1, save_strategy="no", seed=0,
+    )
+    base.update(kw)
+    return DFlashTrainingConfig(**base)
+
+
+def fixed_batch(trainer, data, seed=0):
+    batch = DFlashDataCollator(pad_token_id=0)([data[i] for i in range(len(data))])
+    torch.manual_seed(seed)
+    anchors = sample_anchors(batch["loss_mask"], batch["attention_mask"].sum(1), trainer.block_size, 8)
+    return batch, anchors
+
+
+def test_only_drafter_trains_and_target_is_frozen(tiny, tmp_path):
+    target, tok, data, _ = tiny
+    trainer = DFlashTrainer(args=config(tmp_path), target=target, train_dataset=data, processing_class=tok)
+    assert not any(p.requires_grad for p in target.parameters())
+    trained = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trained and all(not n.startswith(("embed", "lm_head")) for n in trained)
+    emb = target.get_input_embeddings().weight.clone()
+    head = target.get_output_embeddings().weight.clone()
+    trainer.args.max_steps = 2
+    trainer.train()
+    assert torch.equal(emb, target.get_input_embeddings().weight)
+    assert torch.equal(head, target.get_output_embeddings().weight)
+    log = [e for e in trainer.state.log_history if "loss" in e][-1]
+    for key in ("accuracy", "accuracy_slot_1", "accuracy_slot_3", "acceptance_length", "acceptance_length_blockwise"):
+        assert key in log
+
+
+def test_peft_adapted_target_stays_frozen(tiny, tmp_path):
+    peft = pytest.importorskip("peft")
+    target = make_tiny_target("llama", seed=3)
+    lora = peft.get_peft_model(target, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    _, tok, data, _ = tiny
+    trainer = DFlashTrainer(args=config(tmp_path, max_steps=1), target=lora, train_dataset=data, processing_class=tok)
+    assert not any(p.requires_grad for p in lora.parameters())
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_flex_attention_matches_dense_sdpa(tiny, tmp_path):
+    """Same loss from the flex BlockMask and the dense boolean SDPA mask. On CPU torch has no flex backward, so the
+    comparison is forward-only here (a GPU run trains with flex)."""
+    target, tok, data, _ = tiny
+    trainer = DFlashTrainer(args=config(tmp_path), target=target, train_dataset=data, processing_class=tok)
+    batch, anchors = fixed_batch(trainer, data)
+    with torch.no_grad():
+        dense, _ = trainer.dflash_loss(trainer.model, batch, attn_implementation="sdpa", anchors=anchors)
+        trainer._set_attention(trainer.model, "flex_attention")
+        flex, _ = trainer.dflash_loss(trainer.model, batch, attn_implementation="flex_attention", anchors=anchors)
+        trainer._set_attention(trainer.model, "eager")
+        eager, _ = trainer.dflash_loss(trainer.model, batch, attn_implementation="eager", anchors=anchors)
+    assert abs(dense.item() - flex.item()) < 1e-5
+    assert abs(dense.item() - eager.item()) < 1e-5
+
+
+def test_offline_features_match_online(tiny, tmp_path):
+    target, tok, data, _ = tiny
+    trainer = DFlashTrainer(args=config(tmp_path / "on"), target=target, train_dataset=data, processing_class=tok)
+    layer_ids = trainer.model.config.target_layer_ids
+    feats = tmp_path / "features"
+    cache_features(target, data, feats, layer_ids, batch_size=2, shard_bytes=1, progress=False)
+    index = read_index(feats)
+    assert len(index["shards"]) == (len(data) + 1) // 2 and index["dtype"] == "bfloat16"  # one batch per shard
+    assert all(t.dtype == torch.bfloat16 for t in load_file(str(feats / index["shards"][0]["file"])).values())
+    offline = OfflineFeatureDataset(data, feats, layer_ids)
+    batch, anchors = fixed_batch(trainer, data)
+    off_batch = DFlashDataCollator(pad_token_id=0)([offline[i] for i in range(len(offline))])
+    assert torch.equal(off_batch["input_ids"], batch["input_ids"])
+    with torch.no_grad():
+        online, _ = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
+        cached, _ = trainer.dflash_loss(trainer.model, off_batch, anchors=anchors)
+    assert abs(online.item() - cached.item()) < 2e-2 * max(1.0, online.item())
+    # the trainer builds the offline dataset itself from features_dir
+    off_trainer = DFlashTrainer(
+        model=trainer.model, args=config(tmp_path / "off", features="offline", features_dir=str(feats), max_steps=1),
+        target=target, train_dataset=data, processing_class=tok,
+    )
+    assert isinstance(off_trainer.train_dataset, OfflineFeatureDataset)
+    off_trainer.train()
+    with pytest.raises(ValueError, match="tap target layers"):
+        OfflineFeatureDataset(data, feats, [0, 5])
+
+
+def test_cache_features_resumes(tiny, tmp_path, monkeypatch):
+    target, _, data, _ = tiny
+    import dflash_hf.features as features
+
+    calls = {"n": 0}
+    real = features.save_file
+
+    def dying_save(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt("killed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(features, "save_file", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        cache_features(target, data, tmp_path / "f", [1, 3], batch_size=1, shard_bytes=1, progress=False)
+    assert len(read_index(tmp_path / "f")["shards"]) == 2
+    monkeypatch.setattr(features, "save_file", real)
+    index = cache_features(target, data, tmp_path / "f", [1, 3], batch_size=1, shard_bytes=1, progress=False)
+    assert [s["start"] for s in index["shards"]] == list(range(len(data)))
+    assert not list((tmp_path / "f").glob(".*tmp"))
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        cache_features(target, data, tmp_path / "f", [0, 3], progress=False)
+
+
+def test_resume_continues_the_same_run(tiny, tmp_path):
+    """Interrupted at step 2 and resumed = uninterrupted: same weights (optimizer, scheduler, RNG, step restored)."""
+    target, tok, data, _ = tiny
+    kw = dict(max_steps=4, save_strategy="steps", save_steps=2, per_device_train_batch_size=2)
+    full = DFlashTrainer(args=config(tmp_path / "full", **kw), target=target, train_dataset=data, processing_class=tok)
+    full.train()
+    reference = {k: v.clone() for k, v in full.model.state_dict().items()}
+    assert (tmp_path / "full" / "checkpoint-2" / "model.safetensors").is_file()
+    assert (tmp_path / "full" / "checkpoint-2" / "optimizer.pt").is_file()
+    assert not list((tmp_path / "full" / "checkpoint-2").glob("pytorch_model*"))  # weights: safetensors only
+
+    torch.manual_seed(123)  # a different process state: everything must come from the checkpoint
+    resumed = DFlashTrainer(args=config(tmp_path / "res", **kw), target=target, train_dataset=data,
+                            processing_class=tok)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    for key, value in resumed.model.state_dict().items():
+        assert torch.allclose(value, reference[key], atol=1e-6), key
+
+
+def test_bad_config_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="features_dir"):
+        DFlashTrainingConfig(output_dir=str(tmp_path), features="offline", use_cpu=True)
+    with pytest.raises(ValueError, match="block_size"):
+        DFlashTrainingConfig(output_dir=str(tmp_path), block_size=1, use_cpu=True)
+    with pytest.raises(ValueError, match="features must be"):
+        DFlashTrainingConfig(output_dir=str(tmp_path), features="cached", use_cpu=True)
+    with pytest.raises(ValueError, match="target"):
+        DFlashTrainer(args=DFlashTrainingConfig(output_dir=str(tmp_path), use_cpu=True))
