@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from huggingface_hub import HfApi, get_token, is_offline_mode, metadata_load
+from safetensors import SafetensorError, safe_open
 from transformers.utils import logging as transformers_logging
 
 from .modeling import DFlashDraftModel
@@ -64,6 +65,12 @@ def validate_hub_folder(folder: str | os.PathLike) -> list[HubFile]:
         )
     if "config.json" not in names:
         raise ValueError(f"{folder} has no config.json; export the drafter with `dflash-hf export`.")
+    for name in sorted(name for name in names if name.endswith(".safetensors")):
+        try:
+            with safe_open(folder / name, framework="pt"):
+                pass
+        except SafetensorError as err:
+            raise ValueError(f"{folder / name} is not a readable safetensors file ({err}); re-export the drafter.") from err
     progress_bar = transformers_logging.is_progress_bar_enabled()
     transformers_logging.disable_progress_bar()
     try:
