@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModel
 from .adapters import SUPPORTED_TARGET_TYPES, TargetAdapter
 from .export import export
 from .generation import DFlashGenerateOutput, custom_generate, generate
+from .hub import push_to_hub, validate_hub_folder
 from .modeling import DFlashConfig, DFlashDraftModel, DFlashPreTrainedModel, default_target_layer_ids
 
 __version__ = "0.1.0"
@@ -40,4 +41,6 @@ __all__ = [
     "default_target_layer_ids",
     "export",
     "generate",
+    "push_to_hub",
+    "validate_hub_folder",
 ]

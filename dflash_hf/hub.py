@@ -70,7 +70,8 @@ def validate_hub_folder(folder: str | os.PathLike) -> list[HubFile]:
             with safe_open(folder / name, framework="pt"):
                 pass
         except SafetensorError as err:
-            raise ValueError(f"{folder / name} is not a readable safetensors file ({err}); re-export the drafter.") from err
+            message = f"{folder / name} is not a readable safetensors file ({err}); re-export the drafter."
+            raise ValueError(message) from err
     progress_bar = transformers_logging.is_progress_bar_enabled()
     transformers_logging.disable_progress_bar()
     try:
@@ -94,7 +95,8 @@ def validate_hub_folder(folder: str | os.PathLike) -> list[HubFile]:
     missing = [key for key in REQUIRED_CARD_KEYS if not card.get(key)]
     if missing:
         raise ValueError(
-            f"{folder}/README.md lacks YAML front matter keys {', '.join(missing)}; re-export it with `dflash-hf export`."
+            f"{folder}/README.md lacks YAML front matter keys {', '.join(missing)}; re-export it with "
+            "`dflash-hf export`."
         )
     return files
 

@@ -17,9 +17,10 @@ from dflash_hf.cli import main as cli_main
 
 FAMILY_TAGS = {"qwen3": "qwen", "llama": "llama", "gemma3": "gemma"}
 BASE_MODELS = {"qwen3": "Qwen/Qwen3-8B", "llama": "meta-llama/Llama-3.1-8B-Instruct", "gemma3": "google/gemma-3-270m"}
+MEASURED = {"block_size": 4, "hardware": "2-core CPU", "date": "2025-06-01"}
 METRICS = [
-    {"benchmark": "humaneval", "block_size": 4, "tau": 3.4567, "speedup": 1.8912, "hardware": "2-core CPU", "date": "2025-06-01"},
-    {"benchmark": "sharegpt", "block_size": 4, "tau": 2.5, "speedup": 1.25, "hardware": "2-core CPU", "date": "2025-06-01"},
+    {"benchmark": "humaneval", "tau": 3.4567, "speedup": 1.8912, **MEASURED},
+    {"benchmark": "sharegpt", "tau": 2.5, "speedup": 1.25, **MEASURED},
 ]
 
 

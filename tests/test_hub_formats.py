@@ -182,7 +182,8 @@ def test_round_trip_dflash_hf_official_dflash_hf_is_bit_identical(qwen_pair, tmp
     from_official = DFlashDraftModel.from_pretrained(official)
     ours = dflash_hf.export(from_official, tmp_path / "ours", target=target, base_model=BASE_MODEL)
     reloaded = DFlashDraftModel.from_pretrained(ours)
-    for key in ("hidden_size", "num_hidden_layers", "block_size", "mask_token_id", "target_layer_ids", "rope_parameters"):
+    keys = ("hidden_size", "num_hidden_layers", "block_size", "mask_token_id", "target_layer_ids", "rope_parameters")
+    for key in keys:
         assert getattr(reloaded.config, key) == getattr(drafter.config, key), key
     inputs = drafter_inputs(drafter.config, seed=3)
     expected = forward(drafter, inputs)

@@ -62,7 +62,8 @@ def test_prefixed_tensor_names(saved, tmp_path):
 
 
 def test_unknown_model_type(saved, tmp_path):
-    folder = broken_copy(saved, tmp_path, edit_config=lambda c: c.update(model_type="bert", architectures=["BertModel"]))
+    bert = {"model_type": "bert", "architectures": ["BertModel"]}
+    folder = broken_copy(saved, tmp_path, edit_config=lambda config: config.update(bert))
     with pytest.raises(ValueError, match="model_type `bert`, which is not a DFlash drafter"):
         DFlashDraftModel.from_pretrained(folder)
     with pytest.raises(ValueError, match="not a DFlash drafter"):

@@ -54,7 +54,9 @@ BREAKAGES = {
         folder / "README.md"
     ).write_text("# a card without front matter\n"),
     "contains pickled weights (pytorch_model.bin)": lambda folder: (folder / "pytorch_model.bin").write_bytes(b"x"),
-    "`auto_map` points at modeling_dflash.py, which is missing": lambda folder: (folder / "modeling_dflash.py").unlink(),
+    "`auto_map` points at modeling_dflash.py, which is missing": lambda folder: (
+        folder / "modeling_dflash.py"
+    ).unlink(),
     "model.safetensors is not a readable safetensors file": lambda folder: (folder / "model.safetensors").write_bytes(
         b"truncated"
     ),

@@ -17,7 +17,10 @@ def run(args: argparse.Namespace) -> int:
         for file in files:
             print(f"{file.size:>14,d}  {file.path}")
         total = sum(file.size for file in files)
-        print(f"{len(files)} files, {total:,d} bytes: a valid DFlash drafter folder. Dry run: nothing uploaded to {args.repo_id}.")
+        print(
+            f"{len(files)} files, {total:,d} bytes: a valid DFlash drafter folder. "
+            f"Dry run: nothing uploaded to {args.repo_id}."
+        )
         return 0
     try:
         url = push_to_hub(args.folder, args.repo_id, private=args.private, revision=args.revision)
