@@ -45,7 +45,7 @@ MARKER_FILE = "dflash_hf_cache.json"
 CACHE_FORMAT = 1
 DEFAULT_TARGET = "smollm2-135m"
 
-SourceLoader = Callable[[Path], "tuple[PreTrainedModel, PreTrainedTokenizerBase]"]
+SourceLoader = Callable[[Path], tuple[PreTrainedModel, PreTrainedTokenizerBase]]
 """Builds the float32 model and its tokenizer for a named target; gets an empty scratch folder it may write into."""
 
 
@@ -97,7 +97,9 @@ def load_gguf(gguf_path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
     Transformers model afterwards.
     """
     if importlib.util.find_spec("gguf") is None:
-        raise ValueError("Reading GGUF files needs the `gguf` package: `pip install gguf` (part of `dflash-hf[models]`).")
+        raise ValueError(
+            "Reading GGUF files needs the `gguf` package: `pip install gguf` (part of `dflash-hf[models]`)."
+        )
     from transformers import GgufConfig
 
     gguf_path = Path(gguf_path)
@@ -297,7 +299,9 @@ def resolve_target_dir(name: str, rebuild: bool = False) -> Path:
         _build(spec, final)
         problem = cache_problem(final, spec)
         if problem is not None:
-            raise ValueError(f"The freshly built cache at {final} failed verification ({problem}); delete it and retry.")
+            raise ValueError(
+                f"The freshly built cache at {final} failed verification ({problem}); delete it and retry."
+            )
     return final
 
 
@@ -316,7 +320,7 @@ def configure_generation(model: PreTrainedModel, tokenizer: PreTrainedTokenizerB
         generation_config.eos_token_id = eos_ids[0] if len(eos_ids) == 1 else eos_ids
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
-        pad_id = generation_config.pad_token_id if generation_config.pad_token_id is not None else None
+        pad_id = generation_config.pad_token_id
     if pad_id is None and eos_ids:
         pad_id = eos_ids[0]
     if pad_id is not None:

@@ -91,7 +91,7 @@ def tiny_spec(tmp_path, monkeypatch):
         tokenizer.pad_token = None
         return model, tokenizer
 
-    spec = TargetSpec(name="tiny-llama", description="tiny random LLaMA", distribution="pytest", load_source=load_source)
+    spec = TargetSpec("tiny-llama", description="tiny random LLaMA", distribution="pytest", load_source=load_source)
     monkeypatch.setitem(targets.TARGETS, spec.name, spec)
     return spec, calls
 

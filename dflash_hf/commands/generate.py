@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
@@ -20,6 +22,8 @@ from transformers.utils import logging as hf_logging
 from ..generation import generate
 from ..modeling import DFlashConfig, DFlashDraftModel
 from ..targets import DEFAULT_TARGET, TARGETS, bundled_drafter_dir, load_target
+
+T = TypeVar("T")
 
 
 def _available_cpus() -> int:
@@ -98,7 +102,7 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
             raise ValueError(f"{flag} must be >= {low}, got {value}.")
     if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}.")
-    sampling = (args.temperature is not None and args.temperature > 0) or args.top_p is not None or args.top_k is not None
+    sampling = bool(args.temperature) or args.top_p is not None or args.top_k is not None
     if args.temperature == 0 and (args.top_p is not None or args.top_k is not None):
         raise ValueError("--temperature 0 means greedy decoding: drop --top-p/--top-k or use a positive temperature.")
     if not sampling:
@@ -123,7 +127,8 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(device: torch.device, fn):
+def _timed(device: torch.device, fn: Callable[[], T]) -> tuple[T, float]:
+    """Run `fn` and return its result with its wall time in seconds."""
     _synchronize(device)
     start = time.perf_counter()
     result = fn()
