@@ -15,6 +15,7 @@ COMMAND_MODULES: dict[str, str] = {
     "make-data": "dflash_hf.commands.make_data",
     "cache-features": "dflash_hf.commands.cache_features",
     "train": "dflash_hf.commands.train",
+    "generate": "dflash_hf.commands.generate",
     "export": "dflash_hf.commands.export",
     "push": "dflash_hf.commands.push",
 }
