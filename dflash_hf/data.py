@@ -37,6 +37,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -261,7 +262,9 @@ def load_prompts(source: str, held_out_fraction: float = 0.01, seed: int = 0) ->
         seen_ids.add(cid)
         seen_texts.add(key)
         prompt = Prompt(cid, text)
-        (held if split_of(cid, held_out_fraction, seed) == "held_out" else train).append(prompt)
+        # ShareGPT splits long conversations into `<id>_0`, `<id>_1`, ...: keep the parts of one conversation together
+        group = re.sub(r"_\d+$", "", cid)
+        (held if split_of(group, held_out_fraction, seed) == "held_out" else train).append(prompt)
     if counts["records"] == 0:
         raise ValueError(f"The prompt source {source!r} holds no records.")
     counts["train_prompts"] = len(train)
