@@ -18,6 +18,7 @@ COMMAND_MODULES: dict[str, str] = {
     "generate": "dflash_hf.commands.generate",
     "export": "dflash_hf.commands.export",
     "push": "dflash_hf.commands.push",
+    "bench": "dflash_hf.commands.bench",
 }
 
 

