@@ -140,8 +140,9 @@ def load_bench_prompts(
     """Read and tokenize the first `num_prompts` prompts of a prompt set that fit in `max_prompt_tokens`.
 
     Args:
-        source: `humaneval` (the HumanEval problems, evaluation only), `sharegpt` (the ShareGPT held-out split that
-            `dflash-hf make-data` leaves out of training), a make-data output folder (its `held_out.jsonl`), or a
+        source: `humaneval` (the HumanEval problems, evaluation only), `sharegpt` (the ShareGPT held-out split as this
+            version of `dflash-hf make-data` computes it), a make-data output folder (exactly its `held_out.jsonl`:
+            the safe choice for a drafter trained on that folder), or a
             `.json`/`.jsonl` (`.gz`) file or `datasets` folder whose rows hold a prompt (`prompt`, `instruction`,
             `question`, `input`, `text`) or chat messages (`messages`/`conversations`: the first user turn is used).
         tokenizer: The target's tokenizer.

@@ -59,7 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--prompts",
         default="humaneval",
-        help="humaneval, sharegpt (the held-out split of make-data), a make-data folder, or a .json/.jsonl file of "
+        help="humaneval; sharegpt (the ShareGPT held-out split as this version of make-data computes it); a make-data "
+        "folder (exactly its held_out.jsonl: use the folder the drafter was trained on); or a .json/.jsonl file of "
         "prompts or chat messages (default: humaneval).",
     )
     parser.add_argument("--num-prompts", type=int, default=10, help="Number of prompts (default: 10).")
