@@ -9,6 +9,7 @@
 from transformers import AutoConfig, AutoModel
 
 from .adapters import SUPPORTED_TARGET_TYPES, TargetAdapter
+from .block_size import AdaptiveBlockSize, BlockSizePolicy, FixedBlockSize
 from .export import export
 from .generation import DFlashGenerateOutput, custom_generate, generate
 from .hub import push_to_hub, validate_hub_folder
@@ -31,6 +32,9 @@ def _register_auto_classes() -> None:
 _register_auto_classes()
 
 __all__ = [
+    "AdaptiveBlockSize",
+    "BlockSizePolicy",
+    "FixedBlockSize",
     "SUPPORTED_TARGET_TYPES",
     "DFlashConfig",
     "DFlashDraftModel",

@@ -27,6 +27,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .acceptance import greedy_accept, rejection_sample
 from .adapters import TargetAdapter
+from .block_size import BlockSizePolicy, make_block_size_policy
 from .cache_ops import select_rows, shift_cache_right, shift_right, truncate_cache
 from .modeling import DFlashDraftModel
 from .processing import BlockLogitsProcessor
@@ -43,7 +44,8 @@ class DFlashGenerateOutput:
         tau: mean tokens committed per verify forward over all rows and cycles.
         draft_time / verify_time / prefill_time: seconds spent in drafter forwards, target verify forwards and the
             target prefill.
-        block_size: block size used.
+        block_size: the largest block size used (the fixed size, or the adaptive policy's largest candidate).
+        block_sizes: per row, the block size of each of its cycles (parallel to `accepted_lengths`).
     """
 
     sequences: torch.LongTensor | None = None
@@ -54,14 +56,19 @@ class DFlashGenerateOutput:
     verify_time: float = 0.0
     prefill_time: float = 0.0
     block_size: int = 0
+    block_sizes: list[list[int]] = field(default_factory=list)
 
     @property
     def acceptance_rate_by_slot(self) -> list[float]:
-        """Fraction of cycles in which draft slot `i` (1-based) was accepted, for `i = 1..block_size-1`."""
-        lengths = [n for row in self.accepted_lengths for n in row]
-        if not lengths or self.block_size < 2:
-            return []
-        return [sum(n > slot for n in lengths) / len(lengths) for slot in range(1, self.block_size)]
+        """For draft slot `i = 1..block_size-1`: the fraction of cycles that drafted slot `i` in which it was accepted."""
+        cycles = [
+            (n, k) for lengths, sizes in zip(self.accepted_lengths, self.block_sizes) for n, k in zip(lengths, sizes)
+        ]
+        rates = []
+        for slot in range(1, self.block_size):
+            drafted = [n for n, k in cycles if k > slot]
+            rates.append(sum(n > slot for n in drafted) / len(drafted) if drafted else 0.0)
+        return rates
 
 
 class _Timer:
@@ -99,19 +106,32 @@ def _check_request(input_ids: torch.Tensor, generation_config: GenerationConfig)
         raise ValueError("DFlash generation does not support beam search: use num_beams=1.")
 
 
-def _resolve_block_size(drafter: DFlashDraftModel, block_size: int | None) -> int:
-    trained = int(drafter.config.block_size)
-    if block_size is None:
-        return trained
-    block_size = int(block_size)
-    if block_size < 2:
-        raise ValueError(f"block_size must be >= 2 (anchor + at least one drafted token), got {block_size}.")
-    if block_size > trained:
-        raise ValueError(
-            f"block_size {block_size} exceeds the drafter's trained block size {trained}; drafters generalise to "
-            "smaller blocks, not larger ones."
-        )
-    return block_size
+def _mask_or_none(mask: torch.Tensor) -> torch.Tensor | None:
+    """Drop an all-ones padding mask so the attention backends take their unmasked fast path."""
+    return None if bool(mask.all()) else mask
+
+
+@dataclass
+class _State:
+    """Per active row: ids, the next anchor, committed-token count, and the context the drafter has not seen yet.
+
+    `mask` is the padding mask over the target cache (which already holds the pending context); `pending_shift` is
+    how far each row must move right to be contiguous again once the drafter has ingested the pending context.
+    """
+
+    rows: list[int]
+    anchors: torch.LongTensor
+    committed: torch.LongTensor
+    mask: torch.Tensor
+    pending_ctx: torch.Tensor
+    pending_pos: torch.LongTensor
+    pending_shift: torch.LongTensor
+
+    def select(self, index: torch.LongTensor) -> None:
+        """Keep only the rows at `index` (positions in the current batch)."""
+        self.rows = [self.rows[i] for i in index.tolist()]
+        for name in ("anchors", "committed", "mask", "pending_ctx", "pending_pos", "pending_shift"):
+            setattr(self, name, getattr(self, name)[index])
 
 
 class _Decoder:
@@ -127,14 +147,15 @@ class _Decoder:
         stopping_criteria: StoppingCriteriaList,
         generation_config: GenerationConfig,
         streamer,
-        block_size: int,
+        block_size: int | str | BlockSizePolicy | None,
     ) -> None:
         if not isinstance(drafter, DFlashDraftModel) and type(drafter).__name__ != "DFlashDraftModel":
             raise ValueError(f"`drafter` must be a DFlashDraftModel, got {type(drafter).__name__}.")
         self.adapter = TargetAdapter(target, drafter.config.target_layer_ids)
         self.adapter.check_drafter(drafter)
         self.drafter = drafter
-        self.block = block_size
+        self.policy = make_block_size_policy(block_size, int(drafter.config.block_size))
+        self.max_block = int(getattr(self.policy, "max_block_size", getattr(self.policy, "block_size", 0)))
         self.device = input_ids.device
         self.do_sample = bool(generation_config.do_sample)
         self.process = BlockLogitsProcessor(logits_processor)
@@ -153,12 +174,13 @@ class _Decoder:
         self.batch = batch
         self.prompt_len = prompt_len
         self.max_length = int(generation_config.max_length)
-        width = max(self.max_length, prompt_len) + self.block + 1
+        width = max(self.max_length, prompt_len) + int(drafter.config.block_size) + 1
         self.sequences = torch.full((batch, width), self.pad_token_id, dtype=torch.long, device=self.device)
         self.sequences[:, :prompt_len] = input_ids
         self.lengths = [prompt_len] * batch
         self.finished = [False] * batch
         self.accepted_lengths: list[list[int]] = [[] for _ in range(batch)]
+        self.block_sizes: list[list[int]] = [[] for _ in range(batch)]
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         self.prompt_mask = attention_mask.to(torch.long)
@@ -238,8 +260,11 @@ class _Decoder:
         return emitted
 
     # ----------------------------------------------------------------------------------------------------------
+    def _remaining(self, rows: list[int]) -> int:
+        return max(self.max_length - self.lengths[row] for row in rows)
+
     def run(self) -> DFlashGenerateOutput:
-        adapter, drafter, block = self.adapter, self.drafter, self.block
+        adapter, drafter = self.adapter, self.drafter
         device = self.device
         target_cache, draft_cache = DynamicCache(), DynamicCache()
 
@@ -247,99 +272,86 @@ class _Decoder:
         mask = self.prompt_mask
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         with self.prefill_timer:
-            step = adapter.forward(self.sequences[:, : self.prompt_len], self._mask_or_none(mask), positions, target_cache)
+            step = adapter.forward(self.sequences[:, : self.prompt_len], _mask_or_none(mask), positions, target_cache)
             first = self._first_token(adapter.logits(step.last_hidden_state[:, -1]))
-        rows = list(range(self.batch))
-        for row, token in zip(rows, first.tolist()):
+        for row, token in enumerate(first.tolist()):
             self._emit(row, [token])
-
-        anchors = first
-        committed = mask.sum(-1)  # tokens in the caches per row (real ones, pads excluded)
-        pending_ctx = step.tapped_hidden_states  # context not yet seen by the drafter
-        pending_pos = positions
-        pending_shift = torch.zeros(self.batch, dtype=torch.long, device=device)
-        slots = torch.arange(block, device=device)
-        mask_ids = torch.full((1, block - 1), self.mask_token_id, dtype=torch.long, device=device)
-
-        rows, anchors, committed, mask, pending_ctx, pending_pos, pending_shift = self._drop_finished(
-            rows, anchors, committed, mask, pending_ctx, pending_pos, pending_shift, target_cache, draft_cache
+        state = _State(
+            rows=list(range(self.batch)),
+            anchors=first,
+            committed=mask.sum(-1),
+            mask=mask,
+            pending_ctx=step.tapped_hidden_states,
+            pending_pos=positions,
+            pending_shift=torch.zeros(self.batch, dtype=torch.long, device=device),
         )
-        while rows:
+        self._drop_finished(state, target_cache, draft_cache)
+        while state.rows:
+            block = max(2, min(self.policy.next_block_size(), self._remaining(state.rows) + 1))
+            cycle_start = time.perf_counter()
+            slots = torch.arange(block, device=device)
+            block_pos = state.committed[:, None] + slots[None, :]
+
             # 2. draft: the new context enters the draft cache, the block's K/V are dropped right after
-            block_ids = torch.cat([anchors[:, None], mask_ids.expand(len(rows), -1)], dim=1)
-            block_pos = committed[:, None] + slots[None, :]
             with self.draft_timer:
-                draft_mask = torch.cat([mask, torch.ones_like(block_ids)], dim=1)
+                noise_ids = torch.full((len(state.rows), block), self.mask_token_id, dtype=torch.long, device=device)
+                noise_ids[:, 0] = state.anchors
                 out = drafter(
-                    noise_embeds=adapter.embed(block_ids),
-                    context_hidden_states=pending_ctx,
-                    position_ids=torch.cat([pending_pos, block_pos], dim=1),
-                    attention_mask=self._mask_or_none(draft_mask),
+                    noise_embeds=adapter.embed(noise_ids),
+                    context_hidden_states=state.pending_ctx,
+                    position_ids=torch.cat([state.pending_pos, block_pos], dim=1),
+                    attention_mask=_mask_or_none(torch.cat([state.mask, torch.ones_like(noise_ids)], dim=1)),
                     past_key_values=draft_cache,
                 )
-                truncate_cache(draft_cache, mask.shape[1])
-                draft_logits = adapter.logits(out.last_hidden_state[:, 1:])
-                draft_tokens, draft_probs = self._propose(draft_logits, rows)
+                truncate_cache(draft_cache, state.mask.shape[1])
+                draft_tokens, draft_probs = self._propose(adapter.logits(out.last_hidden_state[:, 1:]), state.rows)
 
             # 3. re-align rows that committed fewer tokens last cycle (both caches now have the same layout)
-            if bool(pending_shift.any()):
-                shift_cache_right(target_cache, pending_shift)
-                shift_cache_right(draft_cache, pending_shift)
-                mask = shift_right(mask, pending_shift, dim=1)
-                mask[torch.arange(mask.shape[1], device=device)[None, :] < pending_shift[:, None]] = 0
+            if bool(state.pending_shift.any()):
+                shift = state.pending_shift
+                shift_cache_right(target_cache, shift)
+                shift_cache_right(draft_cache, shift)
+                state.mask = shift_right(state.mask, shift, dim=1)
+                state.mask[torch.arange(state.mask.shape[1], device=device)[None, :] < shift[:, None]] = 0
 
             # 4. verify the whole block in one target forward
-            block_ids = torch.cat([anchors[:, None], draft_tokens], dim=1)
+            block_ids = torch.cat([state.anchors[:, None], draft_tokens], dim=1)
             with self.verify_timer:
-                verify_mask = torch.cat([mask, torch.ones_like(block_ids)], dim=1)
-                step = adapter.forward(block_ids, self._mask_or_none(verify_mask), block_pos, target_cache)
+                verify_mask = _mask_or_none(torch.cat([state.mask, torch.ones_like(block_ids)], dim=1))
+                step = adapter.forward(block_ids, verify_mask, block_pos, target_cache)
                 target_logits = adapter.logits(step.last_hidden_state)
-                accepted, next_tokens = self._verify(target_logits, block_ids, draft_tokens, draft_probs, rows)
+                accepted, next_tokens = self._verify(target_logits, block_ids, draft_tokens, draft_probs, state.rows)
 
             # 5. commit: anchor + accepted drafts enter the caches, the target's token becomes the next anchor
             kept = accepted + 1
             width = int(kept.max())
-            truncate_cache(target_cache, mask.shape[1] + width)
-            kept_mask = (slots[None, :width] < kept[:, None]).to(mask.dtype)
-            mask = torch.cat([mask, kept_mask], dim=1)
-            pending_ctx = step.tapped_hidden_states[:, :width]
-            pending_pos = block_pos[:, :width]
-            pending_shift = width - kept
-            committed = committed + kept
-            accepted_list, next_list, draft_list = accepted.tolist(), next_tokens.tolist(), draft_tokens.tolist()
-            for i, row in enumerate(rows):
-                run = draft_list[i][: accepted_list[i]] + [next_list[i]]
-                emitted = self._emit(row, run)
+            truncate_cache(target_cache, state.mask.shape[1] + width)
+            state.mask = torch.cat([state.mask, (slots[None, :width] < kept[:, None]).to(state.mask.dtype)], dim=1)
+            state.pending_ctx = step.tapped_hidden_states[:, :width]
+            state.pending_pos = block_pos[:, :width]
+            state.pending_shift = width - kept
+            state.committed = state.committed + kept
+            state.anchors = next_tokens
+            kept_list, draft_list, next_list = kept.tolist(), draft_tokens.tolist(), next_tokens.tolist()
+            for i, row in enumerate(state.rows):
+                emitted = self._emit(row, draft_list[i][: kept_list[i] - 1] + [next_list[i]])
                 self.accepted_lengths[row].append(emitted)
-            anchors = next_tokens
-            rows, anchors, committed, mask, pending_ctx, pending_pos, pending_shift = self._drop_finished(
-                rows, anchors, committed, mask, pending_ctx, pending_pos, pending_shift, target_cache, draft_cache
-            )
+                self.block_sizes[row].append(block)
+            self.policy.observe(block, kept_list, time.perf_counter() - cycle_start)
+            self._drop_finished(state, target_cache, draft_cache)
 
         if self.streamer is not None:
             self.streamer.end()
         return self._output()
 
-    @staticmethod
-    def _mask_or_none(mask: torch.Tensor) -> torch.Tensor | None:
-        return None if bool(mask.all()) else mask
-
-    def _drop_finished(self, rows, anchors, committed, mask, pending_ctx, pending_pos, pending_shift, *caches):
-        keep = [i for i, row in enumerate(rows) if not self.finished[row]]
-        if len(keep) == len(rows):
-            return rows, anchors, committed, mask, pending_ctx, pending_pos, pending_shift
+    def _drop_finished(self, state: "_State", *caches: DynamicCache) -> None:
+        keep = [i for i, row in enumerate(state.rows) if not self.finished[row]]
+        if len(keep) == len(state.rows):
+            return
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
         for cache in caches:
             select_rows(cache, index)
-        return (
-            [rows[i] for i in keep],
-            anchors[index],
-            committed[index],
-            mask[index],
-            pending_ctx[index],
-            pending_pos[index],
-            pending_shift[index],
-        )
+        state.select(index)
 
     def _output(self) -> DFlashGenerateOutput:
         total = max(self.lengths)
@@ -355,7 +367,8 @@ class _Decoder:
             draft_time=self.draft_timer.total,
             verify_time=self.verify_timer.total,
             prefill_time=self.prefill_timer.total,
-            block_size=self.block,
+            block_size=self.max_block,
+            block_sizes=self.block_sizes,
         )
 
 
@@ -386,14 +399,14 @@ def custom_generate(
     synced_gpus: bool = False,
     streamer=None,
     drafter: DFlashDraftModel | None = None,
-    block_size: int | None = None,
+    block_size: int | str | BlockSizePolicy | None = None,
     **model_kwargs,
 ) -> DFlashGenerateOutput | torch.LongTensor:
     """DFlash decoding as a Transformers `custom_generate` callable.
 
     Use `target.generate(**inputs, custom_generate=dflash_hf.custom_generate, drafter=drafter)`; generation-config
     handling, logits processors, stopping criteria and streamers keep their usual meaning. `block_size` may lower
-    the drafter's block size for this call.
+    the drafter's block size for this call, or be `"adaptive"` (see [`AdaptiveBlockSize`]) or a policy object.
     """
     if drafter is None:
         raise ValueError(
@@ -414,7 +427,7 @@ def custom_generate(
         stopping_criteria=stopping_criteria,
         generation_config=generation_config,
         streamer=streamer,
-        block_size=_resolve_block_size(drafter, block_size),
+        block_size=block_size,
     )
     output = decoder.run()
     return output if generation_config.return_dict_in_generate else output.sequences
@@ -425,14 +438,15 @@ def generate(
     drafter: DFlashDraftModel,
     input_ids: torch.LongTensor,
     attention_mask: torch.Tensor | None = None,
-    block_size: int | None = None,
+    block_size: int | str | BlockSizePolicy | None = None,
     **kwargs,
 ) -> DFlashGenerateOutput | torch.LongTensor:
     """Lossless speculative generation with a DFlash drafter.
 
     Accepts the usual `generate` keyword arguments (`max_new_tokens`, `do_sample`, `temperature`, `top_p`, `top_k`,
     `eos_token_id`, `streamer`, `generation_config`, `return_dict_in_generate`, ...). Batches of left-padded prompts
-    are supported; every row accepts its own prefix.
+    are supported; every row accepts its own prefix. `block_size`: an int up to the drafter's trained block size,
+    `"adaptive"` (chosen every cycle from the measured acceptance profile and costs), or a `BlockSizePolicy`.
 
     Returns:
         A `(batch, length)` tensor like `model.generate`, or a [`DFlashGenerateOutput`] (sequences + statistics) with
@@ -449,7 +463,7 @@ def generate(
         raise ValueError("The prompt is empty: pass at least one token (e.g. the BOS token or a chat-templated prompt).")
     if max_new_tokens is not None and int(max_new_tokens) == 0:
         if kwargs.get("return_dict_in_generate"):
-            return DFlashGenerateOutput(sequences=input_ids.clone(), block_size=block_size or drafter.config.block_size)
+            return DFlashGenerateOutput(sequences=input_ids.clone(), block_size=int(drafter.config.block_size))
         return input_ids.clone()
     return target.generate(
         input_ids=input_ids,

@@ -35,6 +35,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from .configuration_dflash import DFlashConfig
 
 
+# The output's cache field is `cache` from Transformers 5.24 on, `past_key_values` before.
+_OUTPUT_CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
 class DFlashRMSNorm(nn.Module):
     """Root-mean-square layer norm computed in float32 (same as Llama/Qwen3)."""
 
@@ -464,7 +468,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=cache)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{_OUTPUT_CACHE_FIELD: cache})
 
     def __getattr__(self, name: str):
         # Transformers' plain assisted decoding first reads `assistant_model.generation_config`: turn that into a
