@@ -28,6 +28,10 @@ How each number is derived:
   drafter's forward plus the target LM-head calls made outside the target's forward (the draft projection), and
   time inside the target's forward after the prefill, per cycle (module hooks). `greedy` and `prompt_lookup` have
   no draft time; their verify time is the target's forward time after the prefill.
+* **block**: the block size (anchor + drafts); for our engine the mean of the per-cycle block sizes it reports
+  (adaptive choices, and blocks capped by the tokens left to generate).
+* **acceptance rate by slot**: for draft slot `i`, the fraction of the cycles that drafted slot `i` in which it was
+  accepted (our engine: from its per-cycle block sizes; `native_dflash`: every cycle drafts the full block).
 * **exact**: every output compared token by token with `greedy`'s on the same prompt. A mismatch is reported with
   the prompt index and the first differing position.
 
@@ -196,6 +200,8 @@ class MethodRun:
         new_tokens: The generated token ids (prompt excluded).
         seconds: Wall time of the whole call, prefill included.
         accepted_lengths: Tokens committed by each target forward after the prefill (one entry per cycle).
+        block_sizes: Block tokens (anchor + drafts) of each cycle where the method reports it (our engine), else
+            `None`.
         draft_time / verify_time / prefill_time: Seconds spent drafting, verifying (after the prefill) and in the
             prefill, or `None` where the method does not measure it.
     """
@@ -203,6 +209,7 @@ class MethodRun:
     new_tokens: list[int]
     seconds: float
     accepted_lengths: list[int]
+    block_sizes: list[int] | None = None
     draft_time: float | None = None
     verify_time: float | None = None
     prefill_time: float | None = None
@@ -221,10 +228,6 @@ class BenchMethod:
     run: MethodRunner
     description: str = ""
     block_size: int | None = None
-
-
-class MethodUnavailable(Exception):
-    """Raised by a runner whose method this installation cannot run; the bench skips the method with this note."""
 
 
 def _synchronize(device: torch.device) -> None:
@@ -342,29 +345,23 @@ def _engine_runner(target: PreTrainedModel, drafter: DFlashDraftModel, block_siz
     def run(input_ids: torch.LongTensor, max_new_tokens: int) -> MethodRun:
         _synchronize(input_ids.device)
         start = time.perf_counter()
-        try:
-            out = generate(
-                target,
-                drafter,
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                block_size=block_size,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                return_dict_in_generate=True,
-            )
-        except ValueError as err:
-            if block_size == "adaptive" and "adaptive" in str(err):
-                raise MethodUnavailable(
-                    f"this version of dflash_hf.generate rejects block_size='adaptive' ({err})"
-                ) from err
-            raise
+        out = generate(
+            target,
+            drafter,
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            block_size=block_size,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            return_dict_in_generate=True,
+        )
         _synchronize(input_ids.device)
         seconds = time.perf_counter() - start
         return MethodRun(
             new_tokens=out.sequences[0, input_ids.shape[1] :].tolist(),
             seconds=seconds,
             accepted_lengths=list(out.accepted_lengths[0]) if out.accepted_lengths else [],
+            block_sizes=list(out.block_sizes[0]) if out.block_sizes else [],
             draft_time=out.draft_time,
             verify_time=out.verify_time,
             prefill_time=out.prefill_time,
@@ -523,6 +520,7 @@ def _per_prompt(index: int, run: MethodRun, reference: MethodRun | None) -> dict
         "tau": sum(run.accepted_lengths) / cycles if cycles else None,
         "cycles": cycles,
         "accepted_lengths": run.accepted_lengths,
+        "block_sizes": run.block_sizes,
         "draft_s": run.draft_time,
         "verify_s": run.verify_time,
         "prefill_s": run.prefill_time,
@@ -552,7 +550,15 @@ def _summary(records: list[dict[str, Any]], block_size: int | None, reference_ra
             return None
         return 1000.0 * sum(values) / cycles
 
-    slots = block_size if block_size is not None else (max(lengths) if lengths else 0)
+    known = all(r["block_sizes"] is not None for r in records)
+    sizes = [k for r in records for k in r["block_sizes"]] if known else None
+    slots = block_size if block_size is not None else max(lengths, default=0)
+
+    def slot_rate(slot: int) -> float:
+        # with known per-cycle block sizes, only the cycles that drafted the slot count (adaptive or capped blocks)
+        drafted = lengths if sizes is None else [n for n, k in zip(lengths, sizes) if k > slot]
+        return sum(n > slot for n in drafted) / len(drafted) if drafted else 0.0
+
     histogram = {str(n): lengths.count(n) for n in range(1, max(lengths, default=0) + 1)}
     mismatched = [r["prompt"] for r in records if not r["matches_greedy"]]
     return {
@@ -571,7 +577,8 @@ def _summary(records: list[dict[str, Any]], block_size: int | None, reference_ra
             else None
         ),
         "accepted_length_histogram": histogram,
-        "acceptance_rate_by_slot": [sum(n > slot for n in lengths) / cycles for slot in range(1, slots)],
+        "mean_block_size": sum(sizes) / len(sizes) if sizes else block_size,
+        "acceptance_rate_by_slot": [slot_rate(slot) for slot in range(1, slots)] if cycles else [],
         "exact": not mismatched,
         "mismatched_prompts": mismatched,
     }
@@ -620,35 +627,20 @@ def run_bench(
         raise ValueError(f"Method names must be unique, got {names}.")
     device = target.device
     inputs = [torch.tensor([p.input_ids], dtype=torch.long, device=device) for p in prompts]
-    skipped: dict[str, str] = {}
 
     with torch.no_grad():
         if warmup_tokens:
             for method in tqdm(methods, desc="warm-up", unit="method", disable=not progress):
-                try:
-                    method.run(inputs[0], min(warmup_tokens, max_new_tokens))
-                except MethodUnavailable as err:
-                    skipped[method.name] = str(err)
-        runs: dict[str, list[MethodRun]] = {m.name: [] for m in methods if m.name not in skipped}
-        active = [m for m in methods if m.name not in skipped]
-        bar = tqdm(total=len(prompts) * len(active), desc="bench", unit="run", disable=not progress)
-        for index, prompt_ids in enumerate(inputs):
-            for method in list(active):
-                bar.set_postfix_str(f"prompt {index} {method.name}")
-                try:
+                method.run(inputs[0], min(warmup_tokens, max_new_tokens))
+        runs: dict[str, list[MethodRun]] = {m.name: [] for m in methods}
+        with tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", disable=not progress) as bar:
+            for index, prompt_ids in enumerate(inputs):
+                for method in methods:
+                    bar.set_postfix_str(f"prompt {index} {method.name}")
                     runs[method.name].append(method.run(prompt_ids, max_new_tokens))
-                except MethodUnavailable as err:
-                    skipped[method.name] = str(err)
-                    active.remove(method)
-                    bar.total -= len(inputs) - index
-                    del runs[method.name]
-                    continue
-                bar.update()
-        bar.close()
+                    bar.update()
 
     reference_name = methods[0].name
-    if reference_name in skipped:
-        raise ValueError(f"The reference method {reference_name!r} could not run: {skipped[reference_name]}")
     reference = runs[reference_name]
     results: dict[str, list[dict[str, Any]]] = {}
     mismatches: list[dict[str, Any]] = []
@@ -656,41 +648,38 @@ def run_bench(
     reference_records = [_per_prompt(i, run, None) for i, run in enumerate(reference)]
     reference_rate = _summary(reference_records, None, None)["tokens_per_s"]
     for method in methods:
-        entry = {
-            "name": method.name,
-            "label": method.label,
-            "description": method.description,
-            "block_size": method.block_size,
-            "status": "skipped" if method.name in skipped else "ok",
-            "note": skipped.get(method.name),
-            "summary": None,
-        }
-        if method.name not in skipped:
-            base = None if method.name == reference_name else reference
-            records = [_per_prompt(i, run, base[i] if base else None) for i, run in enumerate(runs[method.name])]
-            if method.name == reference_name:
-                for record in records:
-                    record["speedup"] = 1.0
-            results[method.name] = records
-            entry["summary"] = _summary(records, method.block_size, reference_rate)
+        base = None if method.name == reference_name else reference
+        records = [_per_prompt(i, run, base[i] if base else None) for i, run in enumerate(runs[method.name])]
+        if method.name == reference_name:
             for record in records:
-                if not record["matches_greedy"]:
-                    position = record["first_mismatch"]
-                    expected = reference[record["prompt"]].new_tokens
-                    got = record["output_ids"]
-                    mismatches.append(
-                        {
-                            "method": method.name,
-                            "prompt": record["prompt"],
-                            "prompt_id": prompts[record["prompt"]].id,
-                            "position": position,
-                            "expected": expected[position] if position < len(expected) else None,
-                            "got": got[position] if position < len(got) else None,
-                            "expected_length": len(expected),
-                            "got_length": len(got),
-                        }
-                    )
-        summaries.append(entry)
+                record["speedup"] = 1.0
+        results[method.name] = records
+        summaries.append(
+            {
+                "name": method.name,
+                "label": method.label,
+                "description": method.description,
+                "block_size": method.block_size,
+                "summary": _summary(records, method.block_size, reference_rate),
+            }
+        )
+        for record in records:
+            if not record["matches_greedy"]:
+                position = record["first_mismatch"]
+                expected = reference[record["prompt"]].new_tokens
+                got = record["output_ids"]
+                mismatches.append(
+                    {
+                        "method": method.name,
+                        "prompt": record["prompt"],
+                        "prompt_id": prompts[record["prompt"]].id,
+                        "position": position,
+                        "expected": expected[position] if position < len(expected) else None,
+                        "got": got[position] if position < len(got) else None,
+                        "expected_length": len(expected),
+                        "got_length": len(got),
+                    }
+                )
 
     for mismatch in mismatches:
         print(
@@ -700,8 +689,6 @@ def run_bench(
             file=sys.stderr,
             flush=True,
         )
-    for name, note in skipped.items():
-        print(f"note: skipped {name}: {note}", file=sys.stderr, flush=True)
 
     recorded = {
         "max_new_tokens": max_new_tokens,
@@ -747,25 +734,23 @@ def _as_document(result: BenchResult | dict[str, Any] | str | os.PathLike) -> di
     return document
 
 
-def _fmt(value: float | None, digits: int = 2, suffix: str = "") -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}{suffix}"
+def _fmt(value: float | None, digits: int = 2, suffix: str = "", empty: str = "n/a") -> str:
+    return empty if value is None else f"{value:.{digits}f}{suffix}"
 
 
 def markdown_table(result: BenchResult | dict[str, Any] | str | os.PathLike) -> str:
     """The per-method results as a Markdown table (from a result, its JSON document, or the path of `bench.json`)."""
     document = _as_document(result)
     lines = [
-        "| Method | tau | tokens/s | speedup | draft ms/cycle | verify ms/cycle | exact |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| Method | block | tau | tokens/s | speedup | draft ms/cycle | verify ms/cycle | exact |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for method in document["methods"]:
         summary = method["summary"]
-        if summary is None:
-            lines.append(f"| {method['label']} | - | - | - | - | - | skipped: {method['note']} |")
-            continue
         exact = "yes" if summary["exact"] else f"**NO** (prompts {', '.join(map(str, summary['mismatched_prompts']))})"
         lines.append(
-            f"| {method['label']} | {_fmt(summary['tau'])} | {_fmt(summary['tokens_per_s'])} "
+            f"| {method['label']} | {_fmt(summary['mean_block_size'], 1, empty='-')} | {_fmt(summary['tau'])} "
+            f"| {_fmt(summary['tokens_per_s'])} "
             f"| {_fmt(summary['speedup'], suffix='x')} | {_fmt(summary['draft_ms_per_cycle'], 1)} "
             f"| {_fmt(summary['verify_ms_per_cycle'], 1)} | {exact} |"
         )
@@ -836,7 +821,7 @@ def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
 
 
 def _plot_speedup(document: dict[str, Any], axes) -> None:
-    methods = [m for m in document["methods"] if m["summary"] is not None and m["summary"]["speedup"] is not None]
+    methods = [m for m in document["methods"] if m["summary"]["speedup"] is not None]
     labels = [m["label"] for m in methods]
     values = [m["summary"]["speedup"] for m in methods]
     colors = ["tab:blue" if m["summary"]["exact"] else "tab:red" for m in methods]
@@ -852,7 +837,7 @@ def _plot_speedup(document: dict[str, Any], axes) -> None:
 
 def _speculative(document: dict[str, Any]) -> list[dict[str, Any]]:
     reference = document["methods"][0]["name"]
-    return [m for m in document["methods"] if m["summary"] is not None and m["name"] != reference]
+    return [m for m in document["methods"] if m["name"] != reference]
 
 
 def _plot_accepted_lengths(document: dict[str, Any], axes) -> None:

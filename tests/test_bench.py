@@ -52,13 +52,9 @@ def test_every_method_runs_and_is_exact(result):
     names = [m["name"] for m in result.methods]
     # block 16 exceeds the drafter's trained block size 8: left out
     assert names == ["greedy", "prompt_lookup", "native_dflash", *ENGINE_BLOCKS, "dflash_adaptive"]
-    adaptive = _method(result, "dflash_adaptive")
-    if adaptive["status"] == "skipped":  # the engine predates block_size="adaptive"
-        assert "adaptive" in adaptive["note"]
     for method in result.methods:
-        if method["status"] == "ok":
-            assert method["summary"]["exact"] and method["summary"]["mismatched_prompts"] == []
-            assert len(result.results[method["name"]]) == len(PROMPTS)
+        assert method["summary"]["exact"] and method["summary"]["mismatched_prompts"] == []
+        assert len(result.results[method["name"]]) == len(PROMPTS)
     assert result.exact and result.mismatches == []
     greedy = _method(result, "greedy")["summary"]
     assert greedy["tau"] == 1.0 and greedy["speedup"] == 1.0 and greedy["draft_ms_per_cycle"] is None
@@ -72,6 +68,11 @@ def test_tau_and_cycles_account_for_every_token(result):
             if name != "prompt_lookup":
                 assert committed_after_prefill == record["new_tokens"] - 1, name
             assert record["cycles"] == len(record["accepted_lengths"])
+            if name.startswith("dflash_"):  # our engine reports the block size of every cycle
+                assert len(record["block_sizes"]) == record["cycles"]
+                assert all(n <= k for n, k in zip(record["accepted_lengths"], record["block_sizes"]))
+            else:
+                assert record["block_sizes"] is None
             assert record["output_ids"] == result.results["greedy"][record["prompt"]]["output_ids"]
 
 
@@ -86,6 +87,8 @@ def test_native_path_lengths_match_our_engine(result):
     assert sum(summary["accepted_length_histogram"].values()) == summary["cycles"]
     assert summary["draft_ms_per_cycle"] is not None and summary["verify_ms_per_cycle"] is not None
     assert _method(result, "native_dflash")["summary"]["draft_ms_per_cycle"] is not None
+    adaptive = _method(result, "dflash_adaptive")["summary"]
+    assert 2 <= adaptive["mean_block_size"] <= 8 and len(adaptive["acceptance_rate_by_slot"]) == 7
 
 
 def test_tampered_output_is_reported(setup, capsys):
@@ -120,23 +123,6 @@ def test_tampered_output_is_reported(setup, capsys):
     assert "Warning: 1 output(s) differ" in bench.render_markdown(document)
 
 
-def test_unavailable_method_is_skipped_with_its_note(setup, capsys):
-    target, drafter, prompts = setup
-
-    def unavailable(input_ids, max_new_tokens):
-        raise bench.MethodUnavailable("not in this version")
-
-    methods = bench.default_methods(target, drafter, block_sizes=[], adaptive=False)[:1]
-    methods.append(bench.BenchMethod("future", "future method", unavailable))
-    result = bench.run_bench(target, drafter, prompts[:1], max_new_tokens=3, methods=methods, warmup_tokens=0,
-                             progress=False)
-    future = _method(result, "future")
-    assert future["status"] == "skipped" and future["note"] == "not in this version" and future["summary"] is None
-    assert "future" not in result.results and result.exact
-    assert "skipped: not in this version" in bench.markdown_table(result)
-    assert "note: skipped future" in capsys.readouterr().err
-
-
 def test_outputs_json_schema_plots_and_readme_section(result, tmp_path):
     paths = bench.write_outputs(result, tmp_path / "out")
     out = tmp_path / "out"
@@ -154,16 +140,16 @@ def test_outputs_json_schema_plots_and_readme_section(result, tmp_path):
     assert document["prompts"] == [{"index": i, "id": f"p{i}", "prompt_tokens": len(ids)} for i, ids in
                                    enumerate(PROMPTS)]
     summary_keys = {"tau", "tokens_per_s", "speedup", "draft_ms_per_cycle", "verify_ms_per_cycle", "exact",
-                    "mismatched_prompts", "accepted_length_histogram", "acceptance_rate_by_slot", "cycles"}
+                    "mismatched_prompts", "accepted_length_histogram", "mean_block_size", "acceptance_rate_by_slot",
+                    "cycles"}
     record_keys = {"prompt", "new_tokens", "seconds", "tokens_per_s", "speedup", "tau", "accepted_lengths",
-                   "matches_greedy", "first_mismatch", "output_ids", "draft_s", "verify_s", "prefill_s"}
+                   "matches_greedy", "first_mismatch", "output_ids", "block_sizes", "draft_s", "verify_s", "prefill_s"}
     for method in document["methods"]:
-        if method["status"] == "ok":
-            assert summary_keys <= set(method["summary"])
-            assert all(record_keys <= set(r) for r in document["results"][method["name"]])
+        assert summary_keys <= set(method["summary"])
+        assert all(record_keys <= set(r) for r in document["results"][method["name"]])
 
     table = bench.markdown_table(paths["json"])
-    assert table.splitlines()[0].startswith("| Method | tau | tokens/s | speedup |")
+    assert table.splitlines()[0].startswith("| Method | block | tau | tokens/s | speedup |")
     assert len(table.splitlines()) == 2 + len(document["methods"])
     section = bench.render_markdown(paths["json"], plots_prefix="docs/bench")
     assert section.startswith("## Results\n") and table in section
@@ -239,7 +225,7 @@ def test_cli_end_to_end(folders, tmp_path, capsys):
     out = tmp_path / "results"
     assert cli.main(_bench_args(folders, out)) == 0
     stdout = capsys.readouterr().out
-    assert "| plain greedy | 1.00 |" in stdout and "| dflash-hf B=4 |" in stdout and "dflash-hf B=8" not in stdout
+    assert "| plain greedy | - | 1.00 |" in stdout and "| dflash-hf B=4 |" in stdout and "dflash-hf B=8" not in stdout
     document = json.loads((out / bench.JSON_NAME).read_text())
     assert document["exact"] and document["settings"]["threads"] == 1
     assert document["settings"]["prompt_set"]["used"] == 2
