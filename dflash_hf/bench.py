@@ -28,7 +28,7 @@ How each number is derived:
   drafter's forward plus the target LM-head calls made outside the target's forward (the draft projection), and
   time inside the target's forward after the prefill, per cycle (module hooks). `greedy` and `prompt_lookup` have
   no draft time; their verify time is the target's forward time after the prefill.
-* **block**: the block size (anchor + drafts); for our engine the mean of the per-cycle block sizes it reports
+* **mean block**: the block size (anchor + drafts); for our engine the mean of the per-cycle block sizes it reports
   (adaptive choices, and blocks capped by the tokens left to generate).
 * **acceptance rate by slot**: for draft slot `i`, the fraction of the cycles that drafted slot `i` in which it was
   accepted (our engine: from its per-cycle block sizes; `native_dflash`: every cycle drafts the full block).
@@ -742,7 +742,7 @@ def markdown_table(result: BenchResult | dict[str, Any] | str | os.PathLike) -> 
     """The per-method results as a Markdown table (from a result, its JSON document, or the path of `bench.json`)."""
     document = _as_document(result)
     lines = [
-        "| Method | block | tau | tokens/s | speedup | draft ms/cycle | verify ms/cycle | exact |",
+        "| Method | mean block | tau | tokens/s | speedup | draft ms/cycle | verify ms/cycle | exact |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for method in document["methods"]:

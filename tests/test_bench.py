@@ -149,7 +149,7 @@ def test_outputs_json_schema_plots_and_readme_section(result, tmp_path):
         assert all(record_keys <= set(r) for r in document["results"][method["name"]])
 
     table = bench.markdown_table(paths["json"])
-    assert table.splitlines()[0].startswith("| Method | block | tau | tokens/s | speedup |")
+    assert table.splitlines()[0].startswith("| Method | mean block | tau | tokens/s | speedup |")
     assert len(table.splitlines()) == 2 + len(document["methods"])
     section = bench.render_markdown(paths["json"], plots_prefix="docs/bench")
     assert section.startswith("## Results\n") and table in section
