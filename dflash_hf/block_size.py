@@ -43,8 +43,9 @@ class AdaptiveBlockSize:
       `1..i-1` were, as an exponentially decayed count with a Beta(1, 1) prior (so a slot never verified yet is
       optimistic and gets explored; slots left unverified drift back to the prior, so larger blocks are re-tried
       now and then). Expected tokens with block `k`: `1 + sum_j prod_{i<=j} a_i` for `j < k`.
-    * Costs: the wall time of a cycle at every candidate size, as an exponentially decayed mean. Every candidate
-      is tried once, largest first, before costs are compared.
+    * Costs: the wall time of a cycle at every size tried, as an exponentially decayed mean, and a straight line
+      `cost(k) = a + b * k` fitted through those means for the sizes not tried yet. The largest and the smallest
+      candidate are tried first (two cycles of exploration), then every cycle takes the best expected rate.
 
     Args:
         max_block_size: The drafter's trained block size (the largest candidate).
@@ -82,11 +83,22 @@ class AdaptiveBlockSize:
             total += survive
         return total
 
+    def estimated_cost(self, block_size: int) -> float:
+        """Measured mean cycle time at `block_size`, or the straight-line fit through the measured sizes."""
+        if block_size in self._cost:
+            return self._cost[block_size]
+        sizes = sorted(self._cost)
+        mean_k = sum(sizes) / len(sizes)
+        mean_c = sum(self._cost[k] for k in sizes) / len(sizes)
+        spread = sum((k - mean_k) ** 2 for k in sizes)
+        slope = sum((k - mean_k) * (self._cost[k] - mean_c) for k in sizes) / spread if spread else 0.0
+        return max(mean_c + max(slope, 0.0) * (block_size - mean_k), 1e-9)
+
     def next_block_size(self) -> int:
-        for size in reversed(self.candidates):
+        for size in (self.candidates[-1], self.candidates[0]):
             if size not in self._cost:
                 return size
-        return max(self.candidates, key=lambda k: self.expected_tokens(k) / self._cost[k])
+        return max(self.candidates, key=lambda k: self.expected_tokens(k) / self.estimated_cost(k))
 
     def observe(self, block_size: int, committed: list[int], seconds: float) -> None:
         if not committed or not math.isfinite(seconds):

@@ -23,7 +23,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import LogitsProcessorList
-from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
 from .acceptance import greedy_accept, rejection_sample
 from .adapters import TargetAdapter
@@ -106,6 +106,17 @@ def _check_request(input_ids: torch.Tensor, generation_config: GenerationConfig)
         raise ValueError("DFlash generation does not support beam search: use num_beams=1.")
 
 
+def _plain_stop_token_ids(stopping_criteria: StoppingCriteriaList) -> set[int] | None:
+    """EOS ids when the criteria are only max-length and EOS (then a run is checked in one pass), else `None`."""
+    stop_ids: set[int] = set()
+    for criterion in stopping_criteria:
+        if isinstance(criterion, EosTokenCriteria):
+            stop_ids.update(int(t) for t in torch.as_tensor(criterion.eos_token_id).reshape(-1).tolist())
+        elif not isinstance(criterion, MaxLengthCriteria):
+            return None
+    return stop_ids
+
+
 def _mask_or_none(mask: torch.Tensor) -> torch.Tensor | None:
     """Drop an all-ones padding mask so the attention backends take their unmasked fast path."""
     return None if bool(mask.all()) else mask
@@ -160,6 +171,7 @@ class _Decoder:
         self.do_sample = bool(generation_config.do_sample)
         self.process = BlockLogitsProcessor(logits_processor)
         self.stopping_criteria = stopping_criteria
+        self.stop_token_ids = _plain_stop_token_ids(stopping_criteria)
         self.streamer = streamer
         self.mask_token_id = int(drafter.config.mask_token_id)
         pad = getattr(generation_config, "_pad_token_tensor", None)
@@ -242,20 +254,25 @@ class _Decoder:
     # emission
     def _emit(self, row: int, tokens: list[int]) -> int:
         """Append `tokens` to `row` until a stopping criterion fires; returns how many were appended."""
-        emitted = 0
-        for token in tokens:
-            position = self.lengths[row]
-            self.sequences[row, position] = token
-            self.lengths[row] = position + 1
-            emitted += 1
-            done = self.lengths[row] >= self.max_length
-            if not done and len(self.stopping_criteria) > 0:
-                done = bool(self.stopping_criteria(self.sequences[row : row + 1, : self.lengths[row]], None)[0])
-            if done:
-                self.finished[row] = True
-                break
+        start = self.lengths[row]
+        tokens = tokens[: self.max_length - start]
+        if self.stop_token_ids is not None:  # only max-length / EOS criteria: no per-token calls needed
+            stop = next((i for i, token in enumerate(tokens) if token in self.stop_token_ids), None)
+            if stop is not None:
+                tokens = tokens[: stop + 1]
+            self.sequences[row, start : start + len(tokens)] = torch.tensor(tokens, device=self.device)
+            self.lengths[row] = start + len(tokens)
+            self.finished[row] = stop is not None or self.lengths[row] >= self.max_length
+        else:
+            for token in tokens:
+                self.sequences[row, self.lengths[row]] = token
+                self.lengths[row] += 1
+                sequence = self.sequences[row : row + 1, : self.lengths[row]]
+                if self.lengths[row] >= self.max_length or bool(self.stopping_criteria(sequence, None)[0]):
+                    self.finished[row] = True
+                    break
+        emitted = self.lengths[row] - start
         if self.streamer is not None and emitted:
-            start = self.lengths[row] - emitted
             self.streamer.put(self.sequences[row : row + 1, start : self.lengths[row]].cpu())
         return emitted
 

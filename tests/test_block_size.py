@@ -22,11 +22,10 @@ def _run(policy: AdaptiveBlockSize, accept_drafts, cost, cycles: int = 40) -> li
     return chosen
 
 
-def test_explores_every_candidate_first():
+def test_explores_the_extremes_first_then_interpolates_costs():
     policy = AdaptiveBlockSize(16)
-    assert _run(policy, lambda k: 0, lambda k: 1.0, cycles=len(policy.candidates)) == sorted(
-        policy.candidates, reverse=True
-    )
+    assert _run(policy, lambda k: 0, lambda k: 1.0 + 0.1 * k, cycles=2) == [16, 2]
+    assert policy.estimated_cost(8) == pytest.approx(1.8)
 
 
 def test_perfect_drafter_with_flat_cost_uses_the_largest_block():
