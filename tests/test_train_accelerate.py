@@ -46,8 +46,9 @@ def test_accelerate_two_process_cpu_run(tmp_path):
     summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["global_step"] == 2
     ckpt = tmp_path / "run" / "checkpoint-2"
-    assert (ckpt / "model.safetensors").is_file() and (ckpt / "optimizer.pt").is_file()
-    assert (ckpt / "rng_state_0.pth").is_file() and (ckpt / "rng_state_1.pth").is_file()  # per-process RNG
+    assert (ckpt / "model.safetensors").is_file() and (ckpt / "optimizer.safetensors").is_file()
+    assert (ckpt / "rng_state_0.safetensors").is_file() and (ckpt / "rng_state_1.safetensors").is_file()  # per process
+    assert not [p.name for p in ckpt.iterdir() if p.suffix in (".pt", ".pth", ".bin")]  # no pickles
     final = tmp_path / "run" / "final"
     assert json.loads((final / "config.json").read_text())["model_type"] == "dflash"
     assert "fc.weight" in load_file(str(final / "model.safetensors"))

@@ -152,7 +152,7 @@ def test_resume_continues_the_same_run(tiny, tmp_path):
     full.train()
     reference = {k: v.clone() for k, v in full.model.state_dict().items()}
     assert (tmp_path / "full" / "checkpoint-2" / "model.safetensors").is_file()
-    assert (tmp_path / "full" / "checkpoint-2" / "optimizer.pt").is_file()
+    assert (tmp_path / "full" / "checkpoint-2" / "optimizer.safetensors").is_file()  # no pickles
     assert not list((tmp_path / "full" / "checkpoint-2").glob("pytorch_model*"))  # weights: safetensors only
 
     torch.manual_seed(123)  # a different process state: everything must come from the checkpoint

@@ -27,22 +27,43 @@ Logged metrics (train and eval): `loss`, `accuracy` (all slots), `accuracy_slot_
 `acceptance_length` (implied by the per-slot accuracies: `1 + sum_k prod_{i<=k} acc_i`) and
 `acceptance_length_blockwise` (mean accepted prefix + 1 measured block by block, what greedy verification would
 accept against the training data).
+
+Checkpoints hold no pickles (the project's safetensors-only rule): the Trainer's optimizer, scheduler, scaler, RNG
+and training-argument hooks are overridden to write safetensors + JSON (`checkpoint_io`), and resuming from a folder
+with pickle files is refused. Hence single-process or DDP training only (DeepSpeed and FSDP checkpoints are pickles).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, Trainer
 from transformers.cache_utils import DynamicCache
+from transformers.training_args import ParallelMode
+from transformers.utils import logging
 
 from dflash_hf.adapters import TargetAdapter
 from dflash_hf.modeling import DFlashConfig, DFlashDraftModel
 
+from .checkpoint_io import (
+    OPTIMIZER_NAME,
+    SCALER_NAME,
+    SCHEDULER_NAME,
+    capture_rng_state,
+    load_state,
+    refuse_pickle_checkpoint,
+    restore_rng_state,
+    rng_state_name,
+    save_state,
+    save_training_args,
+)
 from .config import DFlashTrainingConfig
 from .masks import block_attention_mask, build_blocks, flex_block_mask, implied_acceptance_length, sample_anchors
+
+logger = logging.get_logger(__name__)
 
 
 class DFlashDataCollator:
@@ -206,6 +227,12 @@ class DFlashTrainer(Trainer):
             optimizers=optimizers,
             **kwargs,
         )
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError(
+                "DFlashTrainer writes pickle-free checkpoints for single-process and DDP training only (DeepSpeed and "
+                "FSDP checkpoints are pickles); the drafter is small, train it with DDP (`accelerate launch "
+                "--num_processes N` without a DeepSpeed/FSDP config)."
+            )
         # The loss is already a weighted mean over the batch; let the Trainer divide by the accumulation steps.
         self.model_accepts_loss_kwargs = False
         self.attn_implementation = _resolve_attention(args.attention_backend, self.args.device)
@@ -343,6 +370,68 @@ class DFlashTrainer(Trainer):
         if "loss" in logs or "eval_loss" in logs:
             logs = {**logs, **metrics}
         super().log(logs, start_time)
+
+    # ---------------------------------------------------------------- pickle-free checkpoints (checkpoint_io)
+    def _save(self, output_dir: str | None = None, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Drafter weights (safetensors), config and tokenizer via `save_pretrained`; training arguments as JSON."""
+        if not self.args.should_save:
+            return
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        os.makedirs(output_dir, exist_ok=True)
+        drafter = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        drafter.save_pretrained(output_dir, state_dict=state_dict)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        save_training_args(self.args, output_dir)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Optimizer as safetensors + JSON, scheduler as JSON (main process, as the Trainer)."""
+        if self.args.should_save:
+            save_state(self.optimizer.state_dict(), output_dir, OPTIMIZER_NAME)
+            save_state(self.lr_scheduler.state_dict(), output_dir, SCHEDULER_NAME)
+
+    def _save_scaler(self, output_dir: str) -> None:
+        """Gradient-scaler state (fp16) as JSON."""
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and self.args.should_save:
+            save_state(scaler.state_dict(), output_dir, SCALER_NAME)
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        """This process's RNG states as safetensors + JSON (`rng_state_{rank}` when distributed)."""
+        distributed = self.args.parallel_mode == ParallelMode.DISTRIBUTED
+        name = rng_state_name(self.args.process_index, self.args.world_size)
+        save_state(capture_rng_state(distributed), output_dir, name)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        """Refuse a checkpoint holding pickles before the Trainer loads the (safetensors) weights."""
+        refuse_pickle_checkpoint(resume_from_checkpoint)
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Restore optimizer and scheduler from `checkpoint_io` files; never unpickles."""
+        if checkpoint is None:
+            return
+        refuse_pickle_checkpoint(checkpoint)
+        optimizer, scheduler = load_state(checkpoint, OPTIMIZER_NAME), load_state(checkpoint, SCHEDULER_NAME)
+        if optimizer is not None and scheduler is not None:
+            self.optimizer.load_state_dict(optimizer)
+            self.lr_scheduler.load_state_dict(scheduler)
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        """Restore the gradient-scaler state when the checkpoint has one."""
+        state = load_state(checkpoint, SCALER_NAME) if checkpoint is not None else None
+        if state is not None:
+            self.accelerator.scaler.load_state_dict(state)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        """Restore this process's RNG states (python, numpy, torch CPU/CUDA)."""
+        if checkpoint is None:
+            return
+        state = load_state(checkpoint, rng_state_name(self.args.process_index, self.args.world_size))
+        if state is None:
+            logger.info(f"No RNG state for process {self.args.process_index} in {checkpoint}; the run may diverge.")
+            return
+        restore_rng_state(state, self.args.parallel_mode == ParallelMode.DISTRIBUTED)
 
     def create_model_card(self, *args, **kwargs) -> None:
         """Model cards of trained drafters are written by `dflash_hf.export` (see `dflash-hf train`)."""
