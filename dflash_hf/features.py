@@ -70,9 +70,9 @@ def cache_features(
 
     Resumable: rows already indexed in `out_dir` are skipped. Returns the index.
     """
-    from .adapters import TargetAdapter
-
     from transformers.cache_utils import DynamicCache
+
+    from .adapters import TargetAdapter
 
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {max_length}.")
