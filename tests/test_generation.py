@@ -170,3 +170,21 @@ def test_spec_generate_method_matches_function():
         drafter.spec_generate(target, input_ids, max_new_tokens=10),
         dflash_hf.generate(target, drafter, input_ids, max_new_tokens=10),
     )
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_other_supported_families_are_lossless(family):
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from conftest import COMMON
+
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}[
+        family
+    ]
+    torch.manual_seed(0)
+    target = model_cls(config_cls(**COMMON, tie_word_embeddings=False)).eval()
+    input_ids = _prompt(9, 10)
+    reference = greedy_reference(target, input_ids, max_new_tokens=MAX_NEW)
+    for drafter in (make_drafter(target), make_oracle(target, [reference[0].tolist()])):
+        assert torch.equal(dflash_hf.generate(target, drafter, input_ids, max_new_tokens=MAX_NEW), reference)
+        assert torch.equal(_native(target, drafter, input_ids), reference)
