@@ -64,6 +64,8 @@ class TargetAdapter:
                     f"target (valid ids: 0..{num_layers - 1})."
                 )
         self.target_layer_ids = list(target_layer_ids)
+        self._head_rows_key: tuple | None = None
+        self._head_rows_cache: torch.Tensor | None = None
         params = inspect.signature(self.base_model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
@@ -102,12 +104,29 @@ class TargetAdapter:
         """Embed ids with the target's input embedding (Gemma's sqrt(H) scaling included)."""
         return self.embed_tokens(input_ids)
 
-    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Project final hidden states with the target's LM head (+ softcapping) in float32."""
-        logits = self.lm_head(hidden_states.to(self.lm_head.weight.dtype)).float()
+    def logits(self, hidden_states: torch.Tensor, token_ids: torch.LongTensor | None = None) -> torch.Tensor:
+        """Project final hidden states with the target's LM head (+ softcapping) in float32.
+
+        With `token_ids`, only those rows of the head are computed (a reduced draft vocabulary): the last dimension
+        then indexes `token_ids`.
+        """
+        hidden_states = hidden_states.to(self.lm_head.weight.dtype)
+        if token_ids is None:
+            logits = self.lm_head(hidden_states).float()
+        else:
+            logits = nn.functional.linear(hidden_states, self._head_rows(token_ids)).float()
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    def _head_rows(self, token_ids: torch.LongTensor) -> torch.Tensor:
+        """Rows `token_ids` of the (frozen) LM head, gathered once per vocabulary and kept contiguous."""
+        weight = self.lm_head.weight
+        key = (token_ids.data_ptr(), token_ids.numel(), weight.data_ptr())
+        if self._head_rows_key != key:
+            self._head_rows_cache = weight.detach()[token_ids.to(weight.device)].contiguous()
+            self._head_rows_key = key
+        return self._head_rows_cache
 
     @torch.no_grad()
     def forward(

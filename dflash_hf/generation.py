@@ -174,6 +174,8 @@ class _Decoder:
         self.stop_token_ids = _plain_stop_token_ids(stopping_criteria)
         self.streamer = streamer
         self.mask_token_id = int(drafter.config.mask_token_id)
+        draft_ids = getattr(drafter, "draft_token_ids", None)
+        self.draft_token_ids = None if draft_ids is None else draft_ids.to(self.device)
         pad = getattr(generation_config, "_pad_token_tensor", None)
         if pad is None:
             pad = generation_config.pad_token_id
@@ -220,7 +222,17 @@ class _Decoder:
         return scores.argmax(dim=-1)
 
     def _propose(self, draft_logits: torch.Tensor, rows: list[int]):
-        """Draft tokens (and their proposal distributions when sampling) from per-slot drafter logits."""
+        """Draft tokens (and their proposal distributions when sampling) from per-slot drafter logits.
+
+        With a reduced draft vocabulary, greedy drafting maps the argmax back to target ids; otherwise the logits are
+        spread over the full vocabulary (-inf outside the draft vocabulary) so that processors and the rejection
+        sampler see ordinary distributions.
+        """
+        if self.draft_token_ids is not None:
+            if self.process.is_identity and not self.do_sample:
+                return self.draft_token_ids[draft_logits.argmax(dim=-1)], None
+            full = draft_logits.new_full((*draft_logits.shape[:2], self.adapter.vocab_size), float("-inf"))
+            draft_logits = full.index_copy_(-1, self.draft_token_ids, draft_logits)
         if self.process.is_identity or self.process.prefix_free:
             scores = self.process(draft_logits, lambda: [])
             if not self.do_sample:
@@ -321,7 +333,8 @@ class _Decoder:
                     past_key_values=draft_cache,
                 )
                 truncate_cache(draft_cache, state.mask.shape[1])
-                draft_tokens, draft_probs = self._propose(adapter.logits(out.last_hidden_state[:, 1:]), state.rows)
+                draft_logits = adapter.logits(out.last_hidden_state[:, 1:], self.draft_token_ids)
+                draft_tokens, draft_probs = self._propose(draft_logits, state.rows)
 
             # 3. re-align rows that committed fewer tokens last cycle (both caches now have the same layout)
             if bool(state.pending_shift.any()):

@@ -75,6 +75,8 @@ def to_official_config(config: DFlashConfig) -> dict[str, Any]:
     }
     if config.num_target_layers is not None:
         official["num_target_layers"] = int(config.num_target_layers)
+    if config.draft_vocab_size is not None:  # with the `d2t` tensor, as EAGLE-3-style readers expect
+        official["draft_vocab_size"] = int(config.draft_vocab_size)
     return official
 
 

@@ -128,6 +128,10 @@ class DFlashConfig(PreTrainedConfig):
             (`hidden_states[i + 1]` in Transformers terms). Always stored explicitly.
         num_target_layers (`int`, *optional*): Number of decoder layers of the target, for validation.
         target_model_type (`str`, *optional*): `model_type` of the target the drafter was built for.
+        draft_vocab_size (`int`, *optional*): Draft over a reduced vocabulary of this many target tokens (the rows of
+            the target's LM head listed by the `d2t` buffer, EAGLE-3 convention: draft id `i` is target id
+            `i + d2t[i]`). Cuts the cost of the draft LM head; tokens outside it are simply never proposed.
+            `None` drafts over the full vocabulary.
     """
 
     model_type = "dflash"
@@ -152,6 +156,7 @@ class DFlashConfig(PreTrainedConfig):
     target_layer_ids: list[int] | None = None
     num_target_layers: int | None = None
     target_model_type: str | None = None
+    draft_vocab_size: int | None = None
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
@@ -189,6 +194,13 @@ class DFlashConfig(PreTrainedConfig):
                         f"target_layer_ids {self.target_layer_ids} is out of range for a target with "
                         f"{upper} decoder layers (valid ids: 0..{None if upper is None else upper - 1})."
                     )
+        if self.draft_vocab_size is not None:
+            upper = self.vocab_size if self.vocab_size is not None else self.draft_vocab_size
+            if not 2 <= int(self.draft_vocab_size) <= int(upper):
+                raise ValueError(
+                    f"draft_vocab_size must be between 2 and the target vocabulary ({upper}), got "
+                    f"{self.draft_vocab_size}; use None to draft over the full vocabulary."
+                )
         if self.mask_token_id is not None and self.vocab_size is not None:
             if not 0 <= int(self.mask_token_id) < int(self.vocab_size):
                 raise ValueError(

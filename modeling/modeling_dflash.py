@@ -364,8 +364,30 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         self.layers = nn.ModuleList([DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DFlashRotaryEmbedding(config)
+        if config.draft_vocab_size is not None:
+            # draft id i -> target id i + d2t[i] (EAGLE-3 convention); identity until set_draft_vocabulary()
+            self.register_buffer("d2t", torch.zeros(int(config.draft_vocab_size), dtype=torch.long))
         self.gradient_checkpointing = False
         self.post_init()
+
+    @property
+    def draft_token_ids(self) -> torch.LongTensor | None:
+        """Target ids of the reduced draft vocabulary (ascending), or `None` when drafting over the full vocabulary."""
+        if self.config.draft_vocab_size is None:
+            return None
+        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+
+    def set_draft_vocabulary(self, token_ids: torch.LongTensor | list[int]) -> None:
+        """Restrict drafting to the target tokens `token_ids` (e.g. the most frequent tokens of the training data)."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long).unique(sorted=True)
+        if self.config.draft_vocab_size is None or ids.numel() != int(self.config.draft_vocab_size):
+            raise ValueError(
+                f"set_draft_vocabulary got {ids.numel()} distinct ids but the config's draft_vocab_size is "
+                f"{self.config.draft_vocab_size}; build the drafter with `draft_vocab_size={ids.numel()}`."
+            )
+        if self.config.vocab_size is not None and int(ids.max()) >= int(self.config.vocab_size):
+            raise ValueError(f"draft vocabulary ids must be < vocab_size {self.config.vocab_size}.")
+        self.d2t.copy_(ids.to(self.d2t.device) - torch.arange(ids.numel(), device=self.d2t.device))
 
     def fuse_context(self, context_hidden_states: torch.Tensor) -> torch.Tensor:
         """Project concatenated tapped target hidden states `(batch, n, len(ids) * H)` to context features `(batch, n, H)`."""

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import GEMMA_SLIDING_WINDOW, greedy_reference, make_drafter, make_oracle, make_target
+from conftest import (
+    GEMMA_SLIDING_WINDOW,
+    greedy_reference,
+    make_drafter,
+    make_oracle,
+    make_target,
+)
 from transformers import TextStreamer
 
 import dflash_hf
@@ -174,9 +180,13 @@ def test_spec_generate_method_matches_function():
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
 def test_other_supported_families_are_lossless(family):
-    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
     from conftest import COMMON
+    from transformers import (
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}[
         family
@@ -188,3 +198,29 @@ def test_other_supported_families_are_lossless(family):
     for drafter in (make_drafter(target), make_oracle(target, [reference[0].tolist()])):
         assert torch.equal(dflash_hf.generate(target, drafter, input_ids, max_new_tokens=MAX_NEW), reference)
         assert torch.equal(_native(target, drafter, input_ids), reference)
+
+
+def test_reduced_draft_vocabulary_is_lossless_and_drafts_inside_it():
+    target = make_target("llama")
+    input_ids = _prompt(11, 9)
+    reference = greedy_reference(target, input_ids, max_new_tokens=MAX_NEW)
+    vocabulary = sorted(set(reference[0].tolist()) | {5, 6, 7})
+    drafter = make_drafter(target, draft_vocab_size=len(vocabulary))
+    drafter.set_draft_vocabulary(vocabulary)
+    assert drafter.draft_token_ids.tolist() == vocabulary
+    proposals = []
+    original = dflash_hf.generation._Decoder._propose
+
+    def recording_propose(self, logits, rows):
+        tokens, probs = original(self, logits, rows)
+        proposals.extend(tokens.reshape(-1).tolist())
+        return tokens, probs
+
+    dflash_hf.generation._Decoder._propose = recording_propose
+    try:
+        out = dflash_hf.generate(target, drafter, input_ids, max_new_tokens=MAX_NEW)
+    finally:
+        dflash_hf.generation._Decoder._propose = original
+    assert torch.equal(out, reference)
+    assert proposals and set(proposals) <= set(vocabulary)
+    assert torch.equal(_native(target, drafter, input_ids), reference)

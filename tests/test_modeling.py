@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_drafter, make_target, make_target_config
-from transformers import AutoConfig, AutoModel, DynamicCache, GPT2Config, GPT2LMHeadModel
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    DynamicCache,
+    GPT2Config,
+    GPT2LMHeadModel,
+)
 
 import dflash_hf
 from dflash_hf import DFlashConfig, DFlashDraftModel, default_target_layer_ids
@@ -57,6 +63,23 @@ def test_save_pretrained_writes_auto_map_and_remote_files(tmp_path):
     assert isinstance(loaded, DFlashDraftModel)
     for key, value in drafter.state_dict().items():
         assert torch.equal(value, loaded.state_dict()[key])
+
+
+@pytest.mark.parametrize("layout", ["dflash-hf", "official"])
+def test_draft_vocabulary_survives_save_and_export(tmp_path, layout):
+    target = make_target("llama")
+    drafter = make_drafter(target, draft_vocab_size=6)
+    drafter.set_draft_vocabulary([3, 9, 10, 20, 40, 63])
+    folder = tmp_path / "drafter"
+    if layout == "dflash-hf":
+        drafter.save_pretrained(folder)
+    else:
+        dflash_hf.export(drafter, folder, target=target, format="official", base_model="org/tiny")
+    loaded = DFlashDraftModel.from_pretrained(folder)
+    assert loaded.config.draft_vocab_size == 6
+    assert loaded.draft_token_ids.tolist() == [3, 9, 10, 20, 40, 63]
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        loaded.set_draft_vocabulary([1, 2])
 
 
 def _drafter_inputs(drafter, batch=2, n_ctx=7, block=4, padded=True):

@@ -7,7 +7,11 @@ import itertools
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+)
 
 import dflash_hf
 import dflash_hf.generation as generation
@@ -82,6 +86,16 @@ def setup():
 def test_speculative_sampling_matches_target_distribution(setup):
     target, drafter, prompt, expected = setup
     statistic, cells = _chi_square(target, drafter, prompt, expected)
+    assert statistic < _bound(cells), statistic
+
+
+def test_reduced_draft_vocabulary_keeps_sampling_lossless(setup):
+    """Tokens outside the draft vocabulary are never proposed, yet the output still follows the target."""
+    target, drafter, prompt, expected = setup
+    reduced = DFlashDraftModel(DFlashConfig(**{**drafter.config.to_dict(), "draft_vocab_size": 4})).eval()
+    reduced.load_state_dict(drafter.state_dict(), strict=False)
+    reduced.set_draft_vocabulary([1, 3, 4, 6])
+    statistic, cells = _chi_square(target, reduced, prompt, expected)
     assert statistic < _bound(cells), statistic
 
 

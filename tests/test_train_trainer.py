@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dflash_hf.trainers import (
+    DFlashDataCollator,
+    DFlashTrainer,
+    DFlashTrainingConfig,
+    sample_anchors,
+)
+from dflash_hf.trainers.masks import build_blocks
 from safetensors.torch import load_file
-from test_train_helpers import make_tiny_target, make_tokenizer, one_thread, write_prompts
+from test_train_helpers import (
+    make_tiny_target,
+    make_tokenizer,
+    one_thread,
+    write_prompts,
+)
 
 from dflash_hf.data import load_training_data, make_data
 from dflash_hf.features import OfflineFeatureDataset, cache_features, read_index
-from dflash_hf.trainers import DFlashDataCollator, DFlashTrainer, DFlashTrainingConfig, sample_anchors
 
 
 @pytest.fixture(autouse=True)
@@ -173,3 +184,25 @@ def test_bad_config_is_rejected(tmp_path):
         DFlashTrainingConfig(output_dir=str(tmp_path), features="cached", use_cpu=True)
     with pytest.raises(ValueError, match="target"):
         DFlashTrainer(args=DFlashTrainingConfig(output_dir=str(tmp_path), use_cpu=True))
+
+
+def test_reduced_draft_vocabulary_from_response_tokens(tiny, tmp_path):
+    from collections import Counter
+
+    target, tok, data, _ = tiny
+    counts = Counter(t for row in data for t, m in zip(row["input_ids"], row["loss_mask"]) if m)
+    size = min(8, len(counts))
+    trainer = DFlashTrainer(args=config(tmp_path, draft_vocab_size=size), target=target, train_dataset=data,
+                            processing_class=tok)
+    chosen = trainer.model.draft_token_ids.tolist()
+    assert chosen == sorted(chosen) and len(chosen) == size
+    left_out = [c for t, c in counts.items() if t not in chosen]
+    assert not left_out or min(counts[t] for t in chosen) >= max(left_out)  # the most frequent response tokens
+    batch, anchors = fixed_batch(trainer, data)
+    loss, stats = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
+    assert torch.isfinite(loss)
+    # a label outside the draft vocabulary can never count as correct
+    blocks = build_blocks(batch["input_ids"], batch["loss_mask"], anchors[0], anchors[1], trainer.block_size,
+                          trainer.mask_token_id, trainer.loss_decay_gamma)
+    outside = ~torch.isin(blocks.labels, trainer.draft_token_ids)
+    assert not stats["correct"][stats["selected"] & outside].any()

@@ -37,6 +37,9 @@ class DFlashTrainingConfig(TrainingArguments):
         num_target_features (`int`, defaults to `5`): Number of taps when `target_layer_ids` is not given.
         mask_token_id (`int`, *optional*): Embedding row used for masked slots; by default the first row past the
             tokenizer's ids, else the last row (`DFlashConfig.from_target`).
+        draft_vocab_size (`int`, *optional*): A new drafter drafts over the `draft_vocab_size` most frequent response
+            tokens of the training data (see `DFlashConfig.draft_vocab_size`); the loss is then computed over that
+            vocabulary and labels outside it count as misses.
         features (`str`, defaults to `"online"`): `"online"` runs the frozen target each step; `"offline"` reads
             features stored by `dflash-hf cache-features` from `features_dir`.
         features_dir (`str`, *optional*): Folder written by `dflash-hf cache-features` (offline features).
@@ -58,6 +61,13 @@ class DFlashTrainingConfig(TrainingArguments):
     )
     num_target_features: int = field(default=5, metadata={"help": "Number of taps when target_layer_ids is unset."})
     mask_token_id: int | None = field(default=None, metadata={"help": "Embedding row used for masked slots."})
+    draft_vocab_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "New drafter drafts over the N most frequent response tokens of the training data (cheaper draft "
+            "LM head and loss); default: the full vocabulary."
+        },
+    )
     features: str = field(
         default="online", metadata={"help": "'online' (target forward each step) or 'offline' (cached features)."}
     )

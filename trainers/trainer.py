@@ -40,13 +40,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from dflash_hf.modeling import DFlashConfig, DFlashDraftModel
 from transformers import PreTrainedModel, Trainer
 from transformers.cache_utils import DynamicCache
 from transformers.training_args import ParallelMode
 from transformers.utils import logging
 
 from dflash_hf.adapters import TargetAdapter
-from dflash_hf.modeling import DFlashConfig, DFlashDraftModel
 
 from .checkpoint_io import (
     OPTIMIZER_NAME,
@@ -61,7 +61,14 @@ from .checkpoint_io import (
     save_training_args,
 )
 from .config import DFlashTrainingConfig
-from .masks import block_attention_mask, build_blocks, flex_block_mask, implied_acceptance_length, sample_anchors
+from .masks import (
+    block_attention_mask,
+    build_blocks,
+    flex_block_mask,
+    implied_acceptance_length,
+    sample_anchors,
+)
+from .vocabulary import frequent_response_tokens
 
 logger = logging.get_logger(__name__)
 
@@ -180,8 +187,14 @@ class DFlashTrainer(Trainer):
                     mask_token_id=mask_token_id,
                     target_layer_ids=args.target_layer_ids,
                     tokenizer=processing_class,
+                    draft_vocab_size=args.draft_vocab_size,
                 )
             )
+            if args.draft_vocab_size is not None:
+                if train_dataset is None:
+                    raise ValueError("draft_vocab_size needs the training data to choose the most frequent tokens.")
+                vocab_size = int(target.get_input_embeddings().weight.shape[0])
+                model.set_draft_vocabulary(frequent_response_tokens(train_dataset, args.draft_vocab_size, vocab_size))
         if not isinstance(model, DFlashDraftModel):
             raise ValueError(f"model must be a DFlashDraftModel (or a path to one), got {type(model).__name__}.")
         if int(model.config.block_size) != int(args.block_size):
@@ -204,6 +217,11 @@ class DFlashTrainer(Trainer):
         self.mask_token_id = int(model.config.mask_token_id)
         self.loss_decay_gamma = float(args.loss_decay_gamma)
         self.num_anchors = int(args.num_anchors)
+        draft_ids = model.draft_token_ids
+        self.draft_token_ids = None if draft_ids is None else draft_ids.detach().clone()
+        if self.draft_token_ids is not None:  # target id -> draft id, -100 (ignored) outside the draft vocabulary
+            self.target_to_draft = torch.full((self.adapter.vocab_size,), -100, dtype=torch.long)
+            self.target_to_draft[self.draft_token_ids] = torch.arange(self.draft_token_ids.numel())
 
         if args.features == "offline":
             from dflash_hf.features import OfflineFeatureDataset
@@ -313,9 +331,15 @@ class DFlashTrainer(Trainer):
             loss = hidden.sum() * 0.0
             stats = {"correct": torch.zeros_like(blocks.weights, dtype=torch.bool), "selected": selected}
             return loss, stats
-        logits = self.adapter.logits(hidden[selected])
         labels = blocks.labels[selected]
-        ce = F.cross_entropy(logits, labels, reduction="none")
+        if self.draft_token_ids is None:
+            logits = self.adapter.logits(hidden[selected])
+        else:  # reduced draft vocabulary: labels outside it cannot be drafted and count as misses
+            self.draft_token_ids = self.draft_token_ids.to(hidden.device)
+            self.target_to_draft = self.target_to_draft.to(labels.device)
+            logits = self.adapter.logits(hidden[selected], self.draft_token_ids)
+            labels = self.target_to_draft[labels]
+        ce = F.cross_entropy(logits, labels, reduction="none", ignore_index=-100)
         loss = (ce * weights).sum() / weights.sum()
         correct = torch.zeros_like(selected)
         correct[selected] = logits.argmax(dim=-1) == labels
