@@ -8,9 +8,11 @@ target's final-logit softcapping.
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+import torch.utils.mkldnn
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
@@ -28,6 +30,38 @@ SUPPORTED_TARGET_TYPES: dict[str, str] = {
 
 def _supported_list() -> str:
     return ", ".join(f"{name} (`{key}`)" for key, name in SUPPORTED_TARGET_TYPES.items())
+
+
+# oneDNN-prepacked copies of frozen LM-head weights (the few most recent ones). On CPU in fp32 a prepacked head is
+# about twice as fast as `nn.Linear` for the 1-16 rows a decode step needs. Entries hold the weight itself, so an
+# identity check can never match a different tensor that reused the same memory.
+_PREPACKED: "OrderedDict[int, tuple[torch.Tensor, int, nn.Module]]" = OrderedDict()
+_PREPACKED_MAX = 4
+
+
+def _can_prepack(hidden_states: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        hidden_states.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and hidden_states.dtype == torch.float32
+        and not (torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad))
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+def _prepacked_linear(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`hidden_states @ weight.T` through a oneDNN-prepacked copy of `weight`, re-packed if the weight changed."""
+    entry = _PREPACKED.get(id(weight))
+    if entry is None or entry[0] is not weight or entry[1] != weight._version:
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        entry = (weight, weight._version, torch.utils.mkldnn.to_mkldnn(linear))
+        _PREPACKED[id(weight)] = entry
+        while len(_PREPACKED) > _PREPACKED_MAX:
+            _PREPACKED.popitem(last=False)
+    _PREPACKED.move_to_end(id(weight))
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1]).contiguous()
+    return entry[2](flat).view(*hidden_states.shape[:-1], weight.shape[0])
 
 
 @dataclass
@@ -111,10 +145,13 @@ class TargetAdapter:
         then indexes `token_ids`.
         """
         hidden_states = hidden_states.to(self.lm_head.weight.dtype)
-        if token_ids is None:
-            logits = self.lm_head(hidden_states).float()
+        weight = self.lm_head.weight if token_ids is None else self._head_rows(token_ids)
+        bias = self.lm_head.bias if token_ids is None else None
+        if bias is None and _can_prepack(hidden_states, weight):
+            logits = _prepacked_linear(hidden_states, weight)
         else:
-            logits = nn.functional.linear(hidden_states, self._head_rows(token_ids)).float()
+            logits = nn.functional.linear(hidden_states, weight, bias)
+        logits = logits.float()
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
