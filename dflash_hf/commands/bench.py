@@ -76,6 +76,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--no-adaptive", action="store_true", help="Leave out the adaptive block size.")
     parser.add_argument(
+        "--skip",
+        default="",
+        help="Comma-separated methods to leave out: prompt_lookup, native_dflash (plain greedy always runs).",
+    )
+    parser.add_argument(
         "--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (default: 10)."
     )
     parser.add_argument(
@@ -150,6 +155,8 @@ def _command_line(args: argparse.Namespace, drafter: Path, threads: int | None) 
         argv += ["--threads", str(threads)]
     argv += [flag for flag, on in (("--no-adaptive", args.no_adaptive), ("--no-chat-template", args.no_chat_template))
              if on]
+    if args.skip:
+        argv += ["--skip", args.skip]
     return shlex.join(argv)
 
 
@@ -204,6 +211,11 @@ def run(args: argparse.Namespace) -> int:
         prompt_lookup_num_tokens=args.prompt_lookup_tokens,
         adaptive=not args.no_adaptive,
     )
+    skipped = {name for name in args.skip.split(",") if name}
+    unknown = skipped - {"prompt_lookup", "native_dflash"}
+    if unknown:
+        raise ValueError(f"--skip takes prompt_lookup and/or native_dflash, got {sorted(unknown)}.")
+    methods = [method for method in methods if method.name not in skipped]
     result = bench.run_bench(
         target,
         drafter,
