@@ -40,7 +40,12 @@ from pathlib import Path
 import torch
 import transformers
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 CACHE_ENV = "DFLASH_HF_CACHE"
 MARKER_FILE = "dflash_hf_cache.json"
@@ -175,6 +180,27 @@ def cache_dir() -> Path:
 def bundled_drafter_dir(target_name: str) -> Path:
     """Folder of the drafter shipped inside the package for a named target (it may not exist)."""
     return Path(__file__).resolve().parent / "bundled" / f"dflash-{target_name}"
+
+
+def resolve_drafter_dir(target: str, drafter: Path | None) -> Path:
+    """The drafter folder to use: `drafter` when given, else the one bundled for the named `target`.
+
+    Raises a `ValueError` naming the fix when the folder holds no drafter.
+    """
+    if drafter is not None:
+        if not (Path(drafter) / "config.json").is_file():
+            raise ValueError(
+                f"No DFlash drafter at {drafter} (no config.json): pass --drafter PATH to a folder saved with "
+                "DFlashDraftModel.save_pretrained."
+            )
+        return Path(drafter)
+    folder = bundled_drafter_dir(str(target))
+    if str(target) not in TARGETS or not (folder / "config.json").is_file():
+        raise ValueError(
+            f"No bundled drafter for target {target!r} in this installation ({folder} is missing): pass "
+            "--drafter PATH to a DFlash drafter folder."
+        )
+    return folder
 
 
 def _sha256(path: Path) -> str:

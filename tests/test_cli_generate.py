@@ -108,7 +108,7 @@ def test_defaults_use_named_target_and_bundled_drafter(monkeypatch, tmp_path, ca
 
     # without a bundled drafter the command stops before loading anything, with one error line
     missing = tmp_path / "bundled" / "dflash-smollm2-135m"
-    monkeypatch.setattr(generate_command, "bundled_drafter_dir", lambda name: missing)
+    monkeypatch.setattr(targets, "bundled_drafter_dir", lambda name: missing)
     monkeypatch.setattr(generate_command, "load_target", lambda *a, **k: pytest.fail("target must not be loaded"))
     code, out, err = _run(capsys, "hello")
     assert code == 2 and out == []

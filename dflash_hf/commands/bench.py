@@ -20,7 +20,7 @@ from transformers.utils import logging as hf_logging
 
 from .. import bench
 from ..modeling import DFlashDraftModel
-from ..targets import DEFAULT_TARGET, TARGETS, bundled_drafter_dir, load_target
+from ..targets import DEFAULT_TARGET, TARGETS, load_target, resolve_drafter_dir
 
 
 def _available_cpus() -> int:
@@ -118,23 +118,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def _resolve_drafter(args: argparse.Namespace) -> Path:
-    if args.drafter is not None:
-        if not (args.drafter / "config.json").is_file():
-            raise ValueError(
-                f"No DFlash drafter at {args.drafter} (no config.json): pass --drafter PATH to a folder saved with "
-                "DFlashDraftModel.save_pretrained."
-            )
-        return args.drafter
-    folder = bundled_drafter_dir(str(args.target))
-    if str(args.target) not in TARGETS or not (folder / "config.json").is_file():
-        raise ValueError(
-            f"No bundled drafter for target {args.target!r} in this installation ({folder} is missing): pass "
-            "--drafter PATH to a DFlash drafter folder."
-        )
-    return folder
-
-
 def _command_line(args: argparse.Namespace, drafter: Path, threads: int | None) -> str:
     """The full command with every setting spelled out, so that it reproduces this run."""
     argv = [
@@ -182,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         print(bench.render_markdown(args.readme_section, plots_prefix=args.plots_prefix), end="")
         return 0
     _check(args)
-    drafter_dir = _resolve_drafter(args)
+    drafter_dir = resolve_drafter_dir(args.target, args.drafter)
     device = torch.device(args.device)
     threads = None
     if device.type == "cpu":

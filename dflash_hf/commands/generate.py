@@ -21,7 +21,7 @@ from transformers.utils import logging as hf_logging
 
 from ..generation import generate
 from ..modeling import DFlashConfig, DFlashDraftModel
-from ..targets import DEFAULT_TARGET, TARGETS, bundled_drafter_dir, load_target
+from ..targets import DEFAULT_TARGET, TARGETS, load_target, resolve_drafter_dir
 
 T = TypeVar("T")
 
@@ -79,23 +79,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def _resolve_drafter(args: argparse.Namespace) -> Path:
-    if args.drafter is not None:
-        if not (args.drafter / "config.json").is_file():
-            raise FileNotFoundError(
-                f"No DFlash drafter at {args.drafter} (no config.json): pass --drafter PATH to a folder saved with "
-                "DFlashDraftModel.save_pretrained."
-            )
-        return args.drafter
-    folder = bundled_drafter_dir(str(args.target))
-    if str(args.target) not in TARGETS or not (folder / "config.json").is_file():
-        raise FileNotFoundError(
-            f"No bundled drafter for target {args.target!r} in this installation ({folder} is missing): "
-            "pass --drafter PATH to a DFlash drafter folder."
-        )
-    return folder
-
-
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
     for flag, value, low in (("--temperature", args.temperature, 0.0), ("--top-k", args.top_k, 1)):
         if value is not None and value < low:
@@ -143,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}.")
     sampling = _sampling_kwargs(args)
-    drafter_dir = _resolve_drafter(args)
+    drafter_dir = resolve_drafter_dir(args.target, args.drafter)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu":
         torch.set_num_threads(args.threads or _available_cpus())
