@@ -46,6 +46,7 @@ How each number is derived:
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.metadata
 import json
 import os
@@ -891,7 +892,7 @@ def write_plots(result: BenchResult | dict[str, Any] | str | os.PathLike, out_di
         FigureCanvasAgg(figure)
         draw(document, figure.add_subplot())
         path = out / PLOT_NAMES[key]
-        _atomic_write(path, lambda temporary: figure.savefig(temporary, format="png", dpi=120))
+        _atomic_write(path, functools.partial(figure.savefig, format="png", dpi=120))
         paths.append(path)
     return paths
 

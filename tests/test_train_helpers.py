@@ -48,7 +48,14 @@ def write_prompts(path: Path, prompts=PROMPTS, extra: list[dict] | None = None) 
 def make_tiny_target(family: str = "llama", seed: int = 0, vocab_size: int = 64):
     """A tiny random target (hidden 64, 6 layers) of a supported family, built offline."""
     import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     common = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
+from dflash_hf.trainers import DFlashTrainer, DFlashTrainingConfig
 from test_train_helpers import PROMPTS, make_tiny_target, make_tokenizer, one_thread, write_prompts
 
 from dflash_hf import DFlashDraftModel, generate
 from dflash_hf.data import encode_prompt, load_training_data, make_data
-from dflash_hf.trainers import DFlashTrainer, DFlashTrainingConfig
 
 BLOCK = 8
 NEW_TOKENS = 40

@@ -6,8 +6,6 @@ import math
 
 import pytest
 import torch
-from test_train_helpers import make_tiny_target, make_tokenizer, one_thread
-
 from dflash_hf.trainers import (
     DFlashTrainer,
     DFlashTrainingConfig,
@@ -18,6 +16,7 @@ from dflash_hf.trainers import (
     sample_anchors,
     slot_loss_weights,
 )
+from test_train_helpers import make_tiny_target, make_tokenizer, one_thread
 
 
 @pytest.fixture(autouse=True)
