@@ -8,11 +8,11 @@ target's final-logit softcapping.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-import torch.utils.mkldnn
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
@@ -55,7 +55,12 @@ def _prepacked_linear(hidden_states: torch.Tensor, weight: torch.Tensor) -> torc
     if entry is None or entry[0] is not weight or entry[1] != weight._version:
         linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
         linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
-        entry = (weight, weight._version, torch.utils.mkldnn.to_mkldnn(linear))
+        with warnings.catch_warnings():  # torch's MkldnnLinear is a ScriptModule: silence its deprecation notice
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from torch.utils import mkldnn
+
+            packed = mkldnn.to_mkldnn(linear)
+        entry = (weight, weight._version, packed)
         _PREPACKED[id(weight)] = entry
         while len(_PREPACKED) > _PREPACKED_MAX:
             _PREPACKED.popitem(last=False)

@@ -263,3 +263,20 @@ def test_unsupported_target_architecture():
     drafter = make_drafter(make_target("llama"))
     with pytest.raises(ValueError, match="Supported targets: .*Qwen3.*LLaMA.*Gemma 3"):
         dflash_hf.generate(gpt2, drafter, torch.tensor([[5, 6, 7]]), max_new_tokens=3)
+
+
+def test_prepacked_lm_head_matches_the_stock_head():
+    target = make_target("gemma3")  # softcapping on
+    adapter = dflash_hf.TargetAdapter(target, [1, 3])
+    hidden = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        fast = adapter.logits(hidden)
+        stock = target.get_output_embeddings()(hidden)
+        stock = torch.tanh(stock / 30.0) * 30.0
+        rows = torch.tensor([2, 7, 11])
+        torch.testing.assert_close(adapter.logits(hidden, rows), fast[..., rows], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast, stock, atol=1e-5, rtol=1e-5)
+    # with gradients required (training) the stock differentiable path is used
+    trainable = hidden.clone().requires_grad_(True)
+    adapter.logits(trainable).sum().backward()
+    assert trainable.grad is not None
