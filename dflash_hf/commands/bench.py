@@ -20,7 +20,8 @@ from transformers.utils import logging as hf_logging
 
 from .. import bench
 from ..modeling import DFlashDraftModel
-from ..targets import DEFAULT_TARGET, TARGETS, load_target, resolve_drafter_dir
+from ..targets import load_target, resolve_drafter_dir
+from . import add_model_arguments
 
 
 def _available_cpus() -> int:
@@ -45,17 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Benchmark greedy, prompt lookup, native Transformers DFlash and dflash-hf (fixed and adaptive blocks).",
         description=__doc__.split("\n\n")[1].replace("\n", " "),
     )
-    parser.add_argument(
-        "--target",
-        default=DEFAULT_TARGET,
-        help=f"Named target ({', '.join(TARGETS)}), model folder or Hub id (default: {DEFAULT_TARGET}).",
-    )
-    parser.add_argument(
-        "--drafter",
-        type=Path,
-        default=None,
-        help="DFlash drafter folder (default: the one bundled for a named target).",
-    )
+    add_model_arguments(parser)
     parser.add_argument(
         "--prompts",
         default="humaneval",

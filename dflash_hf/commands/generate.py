@@ -12,7 +12,6 @@ import argparse
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -21,7 +20,8 @@ from transformers.utils import logging as hf_logging
 
 from ..generation import generate
 from ..modeling import DFlashConfig, DFlashDraftModel
-from ..targets import DEFAULT_TARGET, TARGETS, load_target, resolve_drafter_dir
+from ..targets import load_target, resolve_drafter_dir
+from . import add_model_arguments
 
 T = TypeVar("T")
 
@@ -39,17 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n")[1].replace("\n", " "),
     )
     parser.add_argument("prompt", help="The prompt (wrapped in the target's chat template when it has one).")
-    parser.add_argument(
-        "--target",
-        default=DEFAULT_TARGET,
-        help=f"Named target ({', '.join(TARGETS)}), model folder or Hub id (default: {DEFAULT_TARGET}).",
-    )
-    parser.add_argument(
-        "--drafter",
-        type=Path,
-        default=None,
-        help="DFlash drafter folder (default: the drafter bundled for a named target).",
-    )
+    add_model_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=128, help="Most new tokens to generate (default: 128).")
     parser.add_argument(
         "--block-size", type=int, default=None, help="Block size, at most the drafter's (default: the drafter's)."
