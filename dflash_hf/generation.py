@@ -117,9 +117,11 @@ def _plain_stop_token_ids(stopping_criteria: StoppingCriteriaList) -> set[int] |
     return stop_ids
 
 
-def _mask_or_none(mask: torch.Tensor) -> torch.Tensor | None:
-    """Drop an all-ones padding mask so the attention backends take their unmasked fast path."""
-    return None if bool(mask.all()) else mask
+def _mask_or_none(mask: torch.Tensor, block: int = 0) -> torch.Tensor | None:
+    """`mask` extended by `block` attended positions, or `None` when nothing is padded (unmasked fast path)."""
+    if bool(mask.all()):
+        return None
+    return torch.cat([mask, mask.new_ones(mask.shape[0], block)], dim=1) if block else mask
 
 
 @dataclass
@@ -329,7 +331,7 @@ class _Decoder:
                     noise_embeds=adapter.embed(noise_ids),
                     context_hidden_states=state.pending_ctx,
                     position_ids=torch.cat([state.pending_pos, block_pos], dim=1),
-                    attention_mask=_mask_or_none(torch.cat([state.mask, torch.ones_like(noise_ids)], dim=1)),
+                    attention_mask=_mask_or_none(state.mask, block),
                     past_key_values=draft_cache,
                 )
                 truncate_cache(draft_cache, state.mask.shape[1])
@@ -347,7 +349,7 @@ class _Decoder:
             # 4. verify the whole block in one target forward
             block_ids = torch.cat([state.anchors[:, None], draft_tokens], dim=1)
             with self.verify_timer:
-                verify_mask = _mask_or_none(torch.cat([state.mask, torch.ones_like(block_ids)], dim=1))
+                verify_mask = _mask_or_none(state.mask, block)
                 step = adapter.forward(block_ids, verify_mask, block_pos, target_cache)
                 target_logits = adapter.logits(step.last_hidden_state)
                 accepted, next_tokens = self._verify(target_logits, block_ids, draft_tokens, draft_probs, state.rows)

@@ -43,15 +43,16 @@ COMMON = dict(
 GEMMA_SLIDING_WINDOW = 8
 
 
-def make_target_config(family: str):
+def make_target_config(family: str, vocab_size: int = VOCAB):
     """Tiny config of a supported target family (Gemma: sliding window 8, softcapping on)."""
+    common = {**COMMON, "vocab_size": vocab_size}
     if family == "qwen3":
-        return Qwen3Config(**COMMON, tie_word_embeddings=False)
+        return Qwen3Config(**common, tie_word_embeddings=False)
     if family == "llama":
-        return LlamaConfig(**COMMON, tie_word_embeddings=False)
+        return LlamaConfig(**common, tie_word_embeddings=False)
     if family == "gemma3":
         return Gemma3TextConfig(
-            **COMMON,
+            **common,
             sliding_window=GEMMA_SLIDING_WINDOW,
             layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
             final_logit_softcapping=30.0,
@@ -61,9 +62,9 @@ def make_target_config(family: str):
     raise ValueError(family)
 
 
-def make_target(family: str, seed: int = 0, attn_implementation: str = "sdpa"):
+def make_target(family: str, seed: int = 0, attn_implementation: str = "sdpa", vocab_size: int = VOCAB):
     torch.manual_seed(seed)
-    config = make_target_config(family)
+    config = make_target_config(family, vocab_size)
     config._attn_implementation = attn_implementation
     cls = {"qwen3": Qwen3ForCausalLM, "llama": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM}[family]
     model = cls(config).eval()

@@ -10,7 +10,6 @@ from test_targets import make_llama, save_tiny_target
 from transformers import AutoTokenizer
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, cli, targets
-from dflash_hf.commands import generate as generate_command
 
 NUMBER = r"\d+\.\d\d"
 SUMMARY = rf"^tokens: (\d+) \| tau: {NUMBER} \| {NUMBER} tokens/s$"
@@ -109,7 +108,7 @@ def test_defaults_use_named_target_and_bundled_drafter(monkeypatch, tmp_path, ca
     # without a bundled drafter the command stops before loading anything, with one error line
     missing = tmp_path / "bundled" / "dflash-smollm2-135m"
     monkeypatch.setattr(targets, "bundled_drafter_dir", lambda name: missing)
-    monkeypatch.setattr(generate_command, "load_target", lambda *a, **k: pytest.fail("target must not be loaded"))
+    monkeypatch.setattr(targets, "load_target", lambda *a, **k: pytest.fail("target must not be loaded"))
     code, out, err = _run(capsys, "hello")
     assert code == 2 and out == []
     assert len(err) == 1 and err[0].startswith("error: ") and "--drafter PATH" in err[0] and str(missing) in err[0]

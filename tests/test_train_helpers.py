@@ -46,39 +46,10 @@ def write_prompts(path: Path, prompts=PROMPTS, extra: list[dict] | None = None) 
 
 
 def make_tiny_target(family: str = "llama", seed: int = 0, vocab_size: int = 64):
-    """A tiny random target (hidden 64, 6 layers) of a supported family, built offline."""
-    import torch
-    from transformers import (
-        Gemma3ForCausalLM,
-        Gemma3TextConfig,
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
+    """A tiny random target (hidden 64, 6 layers) of a supported family, built offline (see `conftest.make_target`)."""
+    from conftest import make_target
 
-    common = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, initializer_range=0.3,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif family == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**common))
-    elif family == "gemma3":
-        config = Gemma3TextConfig(
-            **common, sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
-            final_logit_softcapping=30.0, query_pre_attn_scalar=16,
-        )
-        model = Gemma3ForCausalLM(config)
-    else:
-        raise ValueError(family)
-    model.config._attn_implementation = "sdpa"
-    model.generation_config.pad_token_id = 0
-    model.generation_config.eos_token_id = 2
-    return model.eval()
+    return make_target(family, seed=seed, vocab_size=vocab_size)
 
 
 def one_thread():

@@ -3,7 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
+
+import torch
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+
+
+def load_models(target: str, drafter_dir: Path, device: torch.device):
+    """Load `(target, tokenizer, drafter)` on `device`, the drafter in the target's dtype, without loading bars."""
+    from transformers.utils import logging as hf_logging
+
+    from ..modeling import DFlashDraftModel
+    from ..targets import load_target
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # loading bars would interleave with the output; cache builds show their own
+    try:
+        model, tokenizer = load_target(target, device=device)
+        drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=model.dtype).to(device).eval()
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    return model, tokenizer, drafter
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

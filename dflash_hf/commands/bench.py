@@ -10,23 +10,15 @@ of an earlier run instead. See `dflash_hf.bench` for how every number is derived
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 from pathlib import Path
 
 import torch
-from transformers.utils import logging as hf_logging
 
 from .. import bench
-from ..modeling import DFlashDraftModel
-from ..targets import load_target, resolve_drafter_dir
-from . import add_model_arguments
-
-
-def _available_cpus() -> int:
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+from ..targets import resolve_drafter_dir
+from . import add_model_arguments, available_cpus, load_models
 
 
 def _block_sizes(text: str) -> list[int]:
@@ -84,7 +76,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--threads",
         type=int,
         default=None,
-        help=f"CPU threads for torch (default: the CPUs available to this process, here {_available_cpus()}).",
+        help=f"CPU threads for torch (default: the CPUs available to this process, here {available_cpus()}).",
     )
     parser.add_argument("--device", default="cpu", help="Device for both models (default: cpu).")
     parser.add_argument(
@@ -160,17 +152,10 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     threads = None
     if device.type == "cpu":
-        threads = args.threads or _available_cpus()
+        threads = args.threads or available_cpus()
         torch.set_num_threads(threads)
 
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        target, tokenizer = load_target(args.target, device=device)
-        drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=target.dtype).to(device).eval()
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
+    target, tokenizer, drafter = load_models(args.target, drafter_dir, device)
     prompts, prompt_info = bench.load_bench_prompts(
         args.prompts,
         tokenizer,

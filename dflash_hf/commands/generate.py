@@ -9,26 +9,19 @@ in the package for it. The answer is streamed as it is committed; the last line 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
-from transformers.utils import logging as hf_logging
 
 from ..generation import generate
-from ..modeling import DFlashConfig, DFlashDraftModel
-from ..targets import load_target, resolve_drafter_dir
-from . import add_model_arguments
+from ..modeling import DFlashConfig
+from ..targets import resolve_drafter_dir
+from . import add_model_arguments, available_cpus, load_models
 
 T = TypeVar("T")
-
-
-def _available_cpus() -> int:
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -64,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--threads",
         type=int,
         default=None,
-        help=f"CPU threads for torch (default: the CPUs available to this process, here {_available_cpus()}).",
+        help=f"CPU threads for torch (default: the CPUs available to this process, here {available_cpus()}).",
     )
     parser.set_defaults(func=run)
 
@@ -119,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     drafter_dir = resolve_drafter_dir(args.target, args.drafter)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu":
-        torch.set_num_threads(args.threads or _available_cpus())
+        torch.set_num_threads(args.threads or available_cpus())
 
     drafter_config = DFlashConfig.from_pretrained(drafter_dir)
     if args.block_size is not None and not 2 <= args.block_size <= drafter_config.block_size:
@@ -128,14 +121,7 @@ def run(args: argparse.Namespace) -> int:
             f"got {args.block_size}."
         )
 
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # loading bars would interleave with the answer; cache builds show their own
-    try:
-        target, tokenizer = load_target(args.target, device=device)
-        drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=target.dtype).to(device).eval()
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
+    target, tokenizer, drafter = load_models(args.target, drafter_dir, device)
     inputs = _encode(tokenizer, args.prompt, use_template=not args.no_chat_template)
     inputs = {key: value.to(device) for key, value in inputs.items()}
     common = dict(max_new_tokens=args.max_new_tokens, **sampling)
