@@ -9,12 +9,15 @@ computed once per training row and stored in bfloat16 safetensors shards:
         ...
 
 Shards are written to a temporary name and renamed into place, then `index.json` is rewritten (also atomically), so
-a killed run loses at most the shard in progress; rerunning continues after the last indexed row. Storage grows
-linearly with the number of taps: `length * k * H * 2` bytes per row.
+a killed run loses at most the shard in progress; rerunning continues after the last indexed row. A dataset that grew
+(`make-data` rerun with a larger `--max-samples` appends rows) is extended in place: every stored shard carries a
+fingerprint of its rows' token ids, checked against the dataset before anything is reused. Storage grows linearly with
+the number of taps: `length * k * H * 2` bytes per row.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -53,6 +56,40 @@ def read_index(features_dir: str | os.PathLike) -> dict[str, Any]:
     return index
 
 
+def _fingerprint(seqs: list[list[int]]) -> str:
+    """sha256 of the (truncated) token ids of consecutive rows, with each row's length, as hex."""
+    digest = hashlib.sha256()
+    for seq in seqs:
+        digest.update(len(seq).to_bytes(4, "little"))
+        digest.update(torch.tensor(seq, dtype=torch.int32).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _row_ids(dataset, row: int, max_length: int) -> list[int]:
+    return list(dataset[row]["input_ids"])[:max_length]
+
+
+def _check_stored_rows(out: Path, index: dict[str, Any], dataset) -> None:
+    """Raise unless every stored shard was made from the same rows of `dataset` (fingerprint, or lengths for shards
+    written before fingerprints existed)."""
+    covered = index["shards"][-1]["end"] if index["shards"] else 0
+    if covered > len(dataset):
+        raise ValueError(
+            f"{out} holds features for {covered} rows but the dataset has {len(dataset)}: the folder was made from "
+            "another dataset; use another --out folder."
+        )
+    max_length = int(index["max_length"])
+    for shard in index["shards"]:
+        seqs = [_row_ids(dataset, i, max_length) for i in range(shard["start"], shard["end"])]
+        stored = shard.get("fingerprint")
+        same = stored == _fingerprint(seqs) if stored else [len(s) for s in seqs] == list(shard["lengths"])
+        if not same:
+            raise ValueError(
+                f"{out}/{shard['file']} was made from other rows (rows {shard['start']}..{shard['end'] - 1} differ "
+                "from the dataset): use another --out folder for this dataset."
+            )
+
+
 @torch.no_grad()
 def cache_features(
     target,
@@ -68,7 +105,8 @@ def cache_features(
 ) -> dict[str, Any]:
     """Compute and store the tapped target features of every row of `dataset` (rows with `input_ids`).
 
-    Resumable: rows already indexed in `out_dir` are skipped. Returns the index.
+    Resumable: rows already indexed in `out_dir` are skipped, and a dataset that only grew at the end is extended
+    (stored rows are checked against it first). Returns the index.
     """
     from transformers.cache_utils import DynamicCache
 
@@ -96,12 +134,16 @@ def cache_features(
     }
     if (out / INDEX_NAME).is_file():
         index = read_index(out)
-        for key in ("target_layer_ids", "width", "max_length", "num_rows"):
+        for key in ("target_layer_ids", "width", "max_length"):
             if index.get(key) != settings[key]:
                 raise ValueError(
                     f"{out} holds features made with {key}={index.get(key)!r}, not {settings[key]!r}: use another "
                     "--out folder (or the same settings to resume)."
                 )
+        _check_stored_rows(out, index, dataset)
+        if index["num_rows"] != len(dataset):
+            index["num_rows"] = len(dataset)
+            _atomic_write_json(out / INDEX_NAME, index)
     else:
         index = {**settings, "shards": []}
         _atomic_write_json(out / INDEX_NAME, index)
@@ -112,24 +154,27 @@ def cache_features(
     total = len(dataset)
     bar = tqdm(total=total, initial=start, desc="cache-features", unit="row", disable=not progress)
     pending: dict[str, torch.Tensor] = {}
-    pending_start, pending_bytes, lengths = start, 0, []
+    pending_start, pending_bytes, lengths, pending_seqs = start, 0, [], []
 
     def flush(end: int) -> None:
-        nonlocal pending, pending_start, pending_bytes, lengths
+        nonlocal pending, pending_start, pending_bytes, lengths, pending_seqs
         if not pending:
             return
         name = f"shard-{len(index['shards']):05d}.safetensors"
         tmp = out / f".{name}.tmp"
         save_file(pending, str(tmp), metadata={"format": FEATURES_FORMAT})
         os.replace(tmp, out / name)
-        index["shards"].append({"file": name, "start": pending_start, "end": end, "lengths": lengths})
+        index["shards"].append(
+            {"file": name, "start": pending_start, "end": end, "lengths": lengths,
+             "fingerprint": _fingerprint(pending_seqs)}
+        )
         _atomic_write_json(out / INDEX_NAME, index)
-        pending, pending_start, pending_bytes, lengths = {}, end, 0, []
+        pending, pending_start, pending_bytes, lengths, pending_seqs = {}, end, 0, [], []
 
     row = start
     while row < total:
         rows = list(range(row, min(row + batch_size, total)))
-        seqs = [list(dataset[i]["input_ids"])[:max_length] for i in rows]
+        seqs = [_row_ids(dataset, i, max_length) for i in rows]
         width = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
         mask = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -144,6 +189,7 @@ def cache_features(
             pending[str(i)] = tensor
             pending_bytes += tensor.numel() * 2
             lengths.append(len(s))
+            pending_seqs.append(s)
         row = rows[-1] + 1
         bar.update(len(rows))
         if pending_bytes >= shard_bytes:

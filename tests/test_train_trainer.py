@@ -155,6 +155,29 @@ def test_cache_features_resumes(tiny, tmp_path, monkeypatch):
         cache_features(target, data, tmp_path / "f", [0, 3], progress=False)
 
 
+def test_cache_features_extends_a_grown_dataset(tiny, tmp_path):
+    """make-data appends rows when rerun with more samples: the stored shards are kept, only the new rows computed."""
+    target, _, data, _ = tiny
+    feats = tmp_path / "f"
+    head = data.select(range(len(data) - 2))
+    first = cache_features(target, head, feats, [1, 3], batch_size=2, shard_bytes=1, progress=False)
+    stored = {s["file"]: (feats / s["file"]).stat().st_mtime_ns for s in first["shards"]}
+    index = cache_features(target, data, feats, [1, 3], batch_size=2, shard_bytes=1, progress=False)
+    assert index["num_rows"] == len(data) and index["shards"][-1]["end"] == len(data)
+    assert {f: (feats / f).stat().st_mtime_ns for f in stored} == stored  # not rewritten
+    offline = OfflineFeatureDataset(data, feats, [1, 3])
+    reference = tmp_path / "ref"
+    cache_features(target, data, reference, [1, 3], batch_size=2, shard_bytes=1, progress=False)
+    fresh = OfflineFeatureDataset(data, reference, [1, 3])
+    assert all(torch.equal(offline[i]["target_hidden"], fresh[i]["target_hidden"]) for i in range(len(data)))
+    # other rows in front (a different dataset) are refused, by fingerprint
+    shuffled = data.select(list(range(1, len(data))) + [0])
+    with pytest.raises(ValueError, match="made from other rows"):
+        cache_features(target, shuffled, feats, [1, 3], progress=False)
+    with pytest.raises(ValueError, match="made from another dataset"):
+        cache_features(target, head, feats, [1, 3], progress=False)
+
+
 def test_resume_continues_the_same_run(tiny, tmp_path):
     """Interrupted at step 2 and resumed = uninterrupted: same weights (optimizer, scheduler, RNG, step restored)."""
     target, tok, data, _ = tiny
