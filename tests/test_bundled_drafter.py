@@ -8,12 +8,12 @@ import os
 import re
 from pathlib import Path
 
+import dflash_hf.modeling
 import pytest
 import torch
 from test_cli_generate import COMPARE
 
 import dflash_hf
-import dflash_hf.modeling
 from dflash_hf import cli, targets
 
 BUNDLED = targets.bundled_drafter_dir("smollm2-135m")
