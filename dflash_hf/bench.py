@@ -779,11 +779,14 @@ def render_markdown(
     prompts = settings.get("prompt_set") or {}
     source = prompts.get("description", settings.get("prompts", "custom prompts"))
     gpu = f", GPU {hardware['gpu']}" if hardware.get("gpu") else ""
+    drafter = str(settings.get("drafter", "given")).replace("\\", "/")
+    in_package = drafter.split("/dflash_hf/bundled/")
+    drafter = f"the bundled drafter `dflash_hf/bundled/{in_package[1]}`" if len(in_package) == 2 else f"the drafter `{drafter}`"
     lines = [
         heading,
         "",
-        f"{settings.get('target', settings.get('target_model_type'))} with the drafter "
-        f"`{settings.get('drafter', 'given')}` (trained block size {settings['drafter_block_size']}): "
+        f"{settings.get('target', settings.get('target_model_type'))} with {drafter} "
+        f"(trained block size {settings['drafter_block_size']}): "
         f"{settings['num_prompts']} prompts of {source}, greedy, at most {settings['max_new_tokens']} new tokens, "
         f"batch 1, {settings['dtype']}.",
         "",

@@ -156,6 +156,11 @@ def test_outputs_json_schema_plots_and_readme_section(result, tmp_path):
     assert "![Speedup by method](docs/bench/speedup.png)" in section
     assert document["hardware"]["cpu"] in section and document["date"] in section
     assert (out / bench.MARKDOWN_NAME).read_text() == bench.render_markdown(document, ".")
+    # a drafter bundled in the package is named by its place in the package, not by this machine's path
+    document["settings"]["drafter"] = "/somewhere/site-packages/dflash_hf/bundled/dflash-x"
+    assert "with the bundled drafter `dflash_hf/bundled/dflash-x` (trained" in bench.render_markdown(document)
+    document["settings"]["drafter"] = "/runs/my-drafter"
+    assert "with the drafter `/runs/my-drafter` (trained" in bench.render_markdown(document)
 
 
 def test_bad_input_is_refused(setup, tmp_path):
