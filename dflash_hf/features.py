@@ -4,7 +4,7 @@ The frozen target's tapped hidden states (the concatenated outputs of `target_la
 computed once per training row and stored in bfloat16 safetensors shards:
 
     FEATURES_DIR/
-        index.json                 # format, target, target_layer_ids, width, row count, shards [{file, start, end, lengths}]
+        index.json                 # format, target, target_layer_ids, width, row count, shards [{file, start, end, lengths, fingerprint}]
         shard-00000.safetensors    # one tensor per row, named by its row index, shape (length, k * H)
         ...
 
@@ -154,10 +154,10 @@ def cache_features(
     total = len(dataset)
     bar = tqdm(total=total, initial=start, desc="cache-features", unit="row", disable=not progress)
     pending: dict[str, torch.Tensor] = {}
-    pending_start, pending_bytes, lengths, pending_seqs = start, 0, [], []
+    pending_start, pending_bytes, pending_seqs = start, 0, []
 
     def flush(end: int) -> None:
-        nonlocal pending, pending_start, pending_bytes, lengths, pending_seqs
+        nonlocal pending, pending_start, pending_bytes, pending_seqs
         if not pending:
             return
         name = f"shard-{len(index['shards']):05d}.safetensors"
@@ -165,11 +165,11 @@ def cache_features(
         save_file(pending, str(tmp), metadata={"format": FEATURES_FORMAT})
         os.replace(tmp, out / name)
         index["shards"].append(
-            {"file": name, "start": pending_start, "end": end, "lengths": lengths,
+            {"file": name, "start": pending_start, "end": end, "lengths": [len(s) for s in pending_seqs],
              "fingerprint": _fingerprint(pending_seqs)}
         )
         _atomic_write_json(out / INDEX_NAME, index)
-        pending, pending_start, pending_bytes, lengths, pending_seqs = {}, end, 0, [], []
+        pending, pending_start, pending_bytes, pending_seqs = {}, end, 0, []
 
     row = start
     while row < total:
@@ -188,7 +188,6 @@ def cache_features(
             tensor = tapped[j, : len(s)].to(torch.bfloat16).cpu().contiguous()
             pending[str(i)] = tensor
             pending_bytes += tensor.numel() * 2
-            lengths.append(len(s))
             pending_seqs.append(s)
         row = rows[-1] + 1
         bar.update(len(rows))

@@ -15,6 +15,7 @@ from test_cli_generate import COMPARE
 
 import dflash_hf
 from dflash_hf import cli, targets
+from dflash_hf.data import encode_prompt
 
 BUNDLED = targets.bundled_drafter_dir("smollm2-135m")
 PROMPTS = ["Write a Python function that checks whether a number is prime.", "Name three uses of copper."]
@@ -57,12 +58,6 @@ def smollm2(tmp_path_factory):
             torch.set_num_threads(threads)
 
 
-def _chat(tokenizer, prompt: str) -> torch.Tensor:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
-
-
 def test_main_command_is_lossless_with_the_real_target(smollm2, capsys):
     code = cli.main(["generate", PROMPTS[0], "--compare", "--max-new-tokens", "40", "--threads", "2"])
     out = capsys.readouterr().out.splitlines()
@@ -77,7 +72,7 @@ def test_both_generation_paths_match_greedy_on_the_real_target(smollm2):
     target, tokenizer = smollm2
     drafter = AutoModel.from_pretrained(BUNDLED, trust_remote_code=True, dtype=torch.float32)
     for prompt in PROMPTS:
-        ids = _chat(tokenizer, prompt)
+        ids = torch.tensor([encode_prompt(tokenizer, prompt, use_chat_template=True)])
         greedy = target.generate(ids, max_new_tokens=32, do_sample=False)
         native = target.generate(ids, max_new_tokens=32, do_sample=False, assistant_model=drafter,
                                  speculation_type="dflash")
