@@ -5,8 +5,13 @@ computed once per training row and stored in bfloat16 safetensors shards:
 
     FEATURES_DIR/
         index.json                 # format, target, target_layer_ids, width, row count, shards [{file, start, end, lengths, fingerprint}]
-        shard-00000.safetensors    # one tensor per row, named by its row index, shape (length, k * H)
+        shard-00000.safetensors    # per row: "{row}" (length, k * H) and, with final hidden states, "{row}.final" (length, H)
         ...
+
+With `final_hidden=True` (the default for new folders) each row also stores the target's final normed hidden state
+(`H` more values per token). Through the frozen LM head it gives the target's own next-token distribution at every
+position, the teacher of the trainer's distillation loss (`distill_weight`), at a fraction of the cost of storing
+logits.
 
 Shards are written to a temporary name and renamed into place, then `index.json` is rewritten (also atomically), so
 a killed run loses at most the shard in progress; rerunning continues after the last indexed row. A dataset that grew
@@ -101,9 +106,11 @@ def cache_features(
     max_length: int = 3072,
     batch_size: int = 4,
     shard_bytes: int = 512 * 2**20,
+    final_hidden: bool = True,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Compute and store the tapped target features of every row of `dataset` (rows with `input_ids`).
+    """Compute and store the tapped target features of every row of `dataset` (rows with `input_ids`), and with
+    `final_hidden` the target's final normed hidden states (the distillation teacher).
 
     Resumable: rows already indexed in `out_dir` are skipped, and a dataset that only grew at the end is extended
     (stored rows are checked against it first). Returns the index.
@@ -130,12 +137,13 @@ def cache_features(
         "width": adapter.hidden_size * len(target_layer_ids),
         "dtype": "bfloat16",
         "max_length": int(max_length),
+        "final_hidden": bool(final_hidden),
         "num_rows": len(dataset),
     }
     if (out / INDEX_NAME).is_file():
         index = read_index(out)
-        for key in ("target_layer_ids", "width", "max_length"):
-            if index.get(key) != settings[key]:
+        for key in ("target_layer_ids", "width", "max_length", "final_hidden"):
+            if index.get(key, False if key == "final_hidden" else None) != settings[key]:
                 raise ValueError(
                     f"{out} holds features made with {key}={index.get(key)!r}, not {settings[key]!r}: use another "
                     "--out folder (or the same settings to resume)."
@@ -183,11 +191,15 @@ def cache_features(
             mask[j, : len(s)] = 1
         ids, mask = ids.to(device), mask.to(device)
         positions = torch.arange(width, device=device)[None].expand(len(seqs), -1)
-        tapped = adapter.forward(ids, mask, positions, DynamicCache()).tapped_hidden_states
+        step = adapter.forward(ids, mask, positions, DynamicCache())
         for j, (i, s) in enumerate(zip(rows, seqs)):
-            tensor = tapped[j, : len(s)].to(torch.bfloat16).cpu().contiguous()
+            tensor = step.tapped_hidden_states[j, : len(s)].to(torch.bfloat16).cpu().contiguous()
             pending[str(i)] = tensor
             pending_bytes += tensor.numel() * 2
+            if final_hidden:
+                final = step.last_hidden_state[j, : len(s)].to(torch.bfloat16).cpu().contiguous()
+                pending[f"{i}.final"] = final
+                pending_bytes += final.numel() * 2
             pending_seqs.append(s)
         row = rows[-1] + 1
         bar.update(len(rows))
@@ -202,6 +214,7 @@ class OfflineFeatureDataset(torch.utils.data.Dataset):
     """A `make-data` dataset whose rows also carry `target_hidden` (bf16 `(length, k * H)`) read from a features folder."""
 
     def __init__(self, dataset, features_dir: str | os.PathLike, target_layer_ids: list[int] | None = None) -> None:
+        """Rows also carry `target_final_hidden` (bf16 `(length, H)`) when the folder stores final hidden states."""
         self.dataset = dataset
         self.features_dir = Path(features_dir)
         self.index = read_index(features_dir)
@@ -233,13 +246,21 @@ class OfflineFeatureDataset(torch.utils.data.Dataset):
                 hi = mid
         return self._shard_of[lo][1]
 
-    def features(self, row: int) -> torch.Tensor:
-        name = self._shard(row)
-        handle = self._handles.get(name)
+    @property
+    def has_final_hidden(self) -> bool:
+        """Whether the folder stores the target's final hidden states (needed for distillation)."""
+        return bool(self.index.get("final_hidden", False))
+
+    def _tensor(self, row: int, name: str) -> torch.Tensor:
+        shard = self._shard(row)
+        handle = self._handles.get(shard)
         if handle is None:
-            handle = safe_open(str(self.features_dir / name), framework="pt")
-            self._handles[name] = handle
-        return handle.get_tensor(str(row))
+            handle = safe_open(str(self.features_dir / shard), framework="pt")
+            self._handles[shard] = handle
+        return handle.get_tensor(name)
+
+    def features(self, row: int) -> torch.Tensor:
+        return self._tensor(row, str(row))
 
     def __getitem__(self, row: int) -> dict[str, Any]:
         item = dict(self.dataset[int(row)])
@@ -251,6 +272,8 @@ class OfflineFeatureDataset(torch.utils.data.Dataset):
                 "folder was made from another dataset; recache it."
             )
         item["target_hidden"] = hidden
+        if self.has_final_hidden:
+            item["target_final_hidden"] = self._tensor(int(row), f"{int(row)}.final")
         return item
 
     def __getstate__(self):  # dataloader workers reopen the shards

@@ -47,6 +47,24 @@ class DFlashTrainingConfig(TrainingArguments):
         attention_backend (`str`, defaults to `"auto"`): Drafter attention during training: `"flex_attention"`
             (sparse block mask; the default on GPU), `"sdpa"` with a dense boolean mask (the default on CPU, where
             flex attention has no backward) or `"eager"`.
+        distill_weight (`float`, defaults to `0.0`): Weight of the distillation loss, mixed with the hard-label loss
+            as `(1 - w) * CE(label) + w * CE(teacher)`: for slot `k` the teacher is the target's own next-token
+            distribution at position `anchor + k - 1` (its final hidden state through the frozen LM head, over the
+            draft vocabulary). Needs features cached with final hidden states, or online features. With `w > 0`
+            every position of teacher-forced text is useful supervision, not only target-generated responses.
+        init_from_target (`bool`, defaults to `False`): Start a new drafter's decoder layers from copies of the
+            target's top `num_draft_layers` layers (and its final norm), with `fc` selecting the last tapped layer
+            and `hidden_norm` set to the first copied layer's input norm, so the first draft layer starts from the
+            features it expects. Needs a target whose layers have the drafter's shapes.
+        muon (`bool`, defaults to `False`): Optimise the drafter's 2-D weight matrices with `torch.optim.Muon`
+            (learning rate matched to AdamW's update RMS) and the rest (norms) with AdamW.
+        early_stopping_patience (`int`, *optional*): Stop when the evaluation metric (`metric_for_best_model`, by
+            default the held-out blockwise acceptance length) has not improved for this many evaluations.
+
+    Evaluation: with an `eval_dataset` every evaluation uses *all* valid anchors of each held-out sequence
+    (deterministic) and logs `eval_acceptance_length_blockwise` (mean longest correct prefix + 1 per block, what
+    greedy verification accepts) and `eval_accuracy_slot_k`. With `load_best_model_at_end=True` the best checkpoint by
+    `metric_for_best_model` (default: `acceptance_length_blockwise`, higher is better) is the one kept and exported.
     """
 
     block_size: int = field(default=16, metadata={"help": "Tokens per training block (anchor + block_size - 1 slots)."})
@@ -75,6 +93,18 @@ class DFlashTrainingConfig(TrainingArguments):
     max_length: int = field(default=3072, metadata={"help": "Truncate sequences to this many tokens."})
     attention_backend: str = field(
         default="auto", metadata={"help": "'auto' (flex on GPU, sdpa on CPU), 'flex_attention', 'sdpa' or 'eager'."}
+    )
+
+    distill_weight: float = field(
+        default=0.0,
+        metadata={"help": "Distillation weight w: (1-w) * CE(label) + w * CE(target's next-token distribution)."},
+    )
+    init_from_target: bool = field(
+        default=False, metadata={"help": "Initialise a new drafter's layers from the target's top layers."}
+    )
+    muon: bool = field(default=False, metadata={"help": "torch.optim.Muon for 2-D weights, AdamW for the rest."})
+    early_stopping_patience: int | None = field(
+        default=None, metadata={"help": "Stop after this many evaluations without improvement of the best metric."}
     )
 
     # Paper defaults for the inherited Trainer options.
@@ -115,4 +145,11 @@ class DFlashTrainingConfig(TrainingArguments):
             raise ValueError(f"loss_decay_gamma must be > 0, got {self.loss_decay_gamma}.")
         if self.target_layer_ids is not None:
             self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if not 0.0 <= float(self.distill_weight) <= 1.0:
+            raise ValueError(f"distill_weight must be in [0, 1], got {self.distill_weight}.")
+        if self.early_stopping_patience is not None and int(self.early_stopping_patience) < 1:
+            raise ValueError(f"early_stopping_patience must be >= 1, got {self.early_stopping_patience}.")
+        if (self.load_best_model_at_end or self.early_stopping_patience) and self.metric_for_best_model is None:
+            self.metric_for_best_model = "acceptance_length_blockwise"
+            self.greater_is_better = True
         super().__post_init__()

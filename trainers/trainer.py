@@ -61,6 +61,8 @@ from .checkpoint_io import (
     save_training_args,
 )
 from .config import DFlashTrainingConfig
+from .initialisation import initialise_from_target
+from .optimizers import MuonWithAdamW
 from .masks import (
     block_attention_mask,
     build_blocks,
@@ -74,7 +76,7 @@ logger = logging.get_logger(__name__)
 
 
 class DFlashDataCollator:
-    """Right-pads `input_ids`/`loss_mask` (and offline `target_hidden`) and truncates to `max_length`."""
+    """Right-pads `input_ids`/`loss_mask` (and offline `target_hidden` / `target_final_hidden`), truncates to `max_length`."""
 
     def __init__(self, pad_token_id: int = 0, max_length: int | None = None) -> None:
         self.pad_token_id = int(pad_token_id)
@@ -107,21 +109,25 @@ class DFlashDataCollator:
             batch["input_ids"][row, : t.numel()] = t
             batch["loss_mask"][row, : t.numel()] = m
             batch["attention_mask"][row, : t.numel()] = 1
-        if "target_hidden" in features[0]:
-            hidden = [torch.as_tensor(f["target_hidden"]) for f in features]
-            width = hidden[0].shape[-1]
-            padded = torch.zeros(len(ids), length, width, dtype=hidden[0].dtype)
-            for row, h in enumerate(hidden):
-                n = min(h.shape[0], length, ids[row].numel())
-                if h.shape[0] < ids[row].numel():
-                    raise ValueError(
-                        f"Cached features cover {h.shape[0]} tokens but the row has {ids[row].numel()}: the features "
-                        "were cached with a smaller max length; rerun `dflash-hf cache-features` with --max-length "
-                        ">= the training max_length."
-                    )
-                padded[row, :n] = h[:n]
-            batch["target_hidden"] = padded
+        for key in ("target_hidden", "target_final_hidden"):
+            if key in features[0]:
+                batch[key] = _pad_cached(key, [torch.as_tensor(f[key]) for f in features], ids, length)
         return batch
+
+
+def _pad_cached(key: str, hidden: list[torch.Tensor], ids: list[torch.Tensor], length: int) -> torch.Tensor:
+    """Right-pad per-token cached features `(n_i, width)` of each row to `(batch, length, width)`."""
+    padded = torch.zeros(len(hidden), length, hidden[0].shape[-1], dtype=hidden[0].dtype)
+    for row, h in enumerate(hidden):
+        if h.shape[0] < ids[row].numel():
+            raise ValueError(
+                f"Cached `{key}` covers {h.shape[0]} tokens but the row has {ids[row].numel()}: the features were "
+                "cached with a smaller max length; rerun `dflash-hf cache-features` with --max-length >= the "
+                "training max_length."
+            )
+        n = min(h.shape[0], length, ids[row].numel())
+        padded[row, :n] = h[:n]
+    return padded
 
 
 def _resolve_attention(backend: str, device: torch.device) -> str:
@@ -190,6 +196,9 @@ class DFlashTrainer(Trainer):
                     draft_vocab_size=args.draft_vocab_size,
                 )
             )
+            if args.init_from_target:
+                copied = initialise_from_target(model, target)
+                logger.info(f"Drafter layers initialised from target layers {copied}.")
             if args.draft_vocab_size is not None:
                 if train_dataset is None:
                     raise ValueError("draft_vocab_size needs the training data to choose the most frequent tokens.")
@@ -217,6 +226,7 @@ class DFlashTrainer(Trainer):
         self.mask_token_id = int(model.config.mask_token_id)
         self.loss_decay_gamma = float(args.loss_decay_gamma)
         self.num_anchors = int(args.num_anchors)
+        self.distill_weight = float(args.distill_weight)
         draft_ids = model.draft_token_ids
         self.draft_token_ids = None if draft_ids is None else draft_ids.detach().clone()
         if self.draft_token_ids is not None:  # target id -> draft id, -100 (ignored) outside the draft vocabulary
@@ -228,6 +238,12 @@ class DFlashTrainer(Trainer):
 
             if train_dataset is not None and not isinstance(train_dataset, OfflineFeatureDataset):
                 train_dataset = OfflineFeatureDataset(train_dataset, args.features_dir, model.config.target_layer_ids)
+            if self.distill_weight > 0 and not getattr(train_dataset, "has_final_hidden", True):
+                raise ValueError(
+                    f"distill_weight={self.distill_weight} needs the target's final hidden states, but the features in "
+                    f"{args.features_dir} were cached without them: recache with `dflash-hf cache-features` (without "
+                    "--no-final-hidden), use features='online', or set distill_weight 0."
+                )
         if data_collator is None:
             pad = getattr(processing_class, "pad_token_id", None)
             if pad is None:
@@ -255,6 +271,10 @@ class DFlashTrainer(Trainer):
         self.model_accepts_loss_kwargs = False
         self.attn_implementation = _resolve_attention(args.attention_backend, self.args.device)
         self._set_attention(self.model, self.attn_implementation)
+        if args.early_stopping_patience:
+            from transformers import EarlyStoppingCallback
+
+            self.add_callback(EarlyStoppingCallback(early_stopping_patience=int(args.early_stopping_patience)))
         if self.target.device != self.args.device and not getattr(self.target, "hf_device_map", None):
             self.target.to(self.args.device)
         self._metric_sums = {mode: self._zero_sums() for mode in ("train", "eval")}
@@ -275,11 +295,25 @@ class DFlashTrainer(Trainer):
         }
 
     @torch.no_grad()
-    def target_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Tapped target hidden states `(b, n, k * H)` for a right-padded batch (online mode)."""
+    def target_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tapped target hidden states `(b, n, k * H)` and final normed hidden states `(b, n, H)` for a right-padded
+        batch (online mode)."""
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
         step = self.adapter.forward(input_ids, attention_mask, position_ids, DynamicCache())
-        return step.tapped_hidden_states
+        return step.tapped_hidden_states, step.last_hidden_state
+
+    def create_optimizer(self, model=None):
+        """AdamW (the Trainer's), or with `muon=True` Muon for 2-D weight matrices and AdamW for the rest."""
+        if not self.args.muon or self.optimizer is not None:
+            return super().create_optimizer(model) if model is not None else super().create_optimizer()
+        self.optimizer = MuonWithAdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=self.args.learning_rate,
+            weight_decay=self.args.weight_decay,
+            betas=(self.args.adam_beta1, self.args.adam_beta2),
+            eps=self.args.adam_epsilon,
+        )
+        return self.optimizer
 
     def dflash_loss(
         self,
@@ -298,14 +332,21 @@ class DFlashTrainer(Trainer):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         lengths = attention_mask.sum(dim=1)
+        teacher = inputs.get("target_final_hidden")
         if "target_hidden" in inputs:
             context = inputs["target_hidden"]
         else:
-            context = self.target_features(input_ids, attention_mask)
+            context, teacher = self.target_features(input_ids, attention_mask)
+        if self.distill_weight > 0 and teacher is None:
+            raise ValueError(
+                "distill_weight > 0 needs the target's final hidden states (`target_final_hidden`): cache features "
+                "with final hidden states or use features='online'."
+            )
         batch, seq = input_ids.shape
         block = self.block_size
         if anchors is None:
-            anchors = sample_anchors(loss_mask, lengths, block, self.num_anchors)
+            # Training samples up to num_anchors random anchors; evaluation takes every valid anchor (deterministic).
+            anchors = sample_anchors(loss_mask, lengths, block, self.num_anchors if model.training else seq)
         anchor_ids, anchor_valid = anchors
         blocks = build_blocks(
             input_ids, loss_mask, anchor_ids, anchor_valid, block, self.mask_token_id, self.loss_decay_gamma
@@ -340,10 +381,27 @@ class DFlashTrainer(Trainer):
             logits = self.adapter.logits(hidden[selected], self.draft_token_ids)
             labels = self.target_to_draft[labels]
         ce = F.cross_entropy(logits, labels, reduction="none", ignore_index=-100)
+        if self.distill_weight > 0:
+            soft = self._distillation_ce(logits, teacher, blocks.position_ids[:, seq:].view(batch, num, block), selected)
+            ce = (1.0 - self.distill_weight) * ce + self.distill_weight * soft
         loss = (ce * weights).sum() / weights.sum()
         correct = torch.zeros_like(selected)
         correct[selected] = logits.argmax(dim=-1) == labels
         return loss, {"correct": correct, "selected": selected, "anchor_valid": anchor_valid}
+
+    def _distillation_ce(
+        self, logits: torch.Tensor, teacher: torch.Tensor, positions: torch.Tensor, selected: torch.Tensor
+    ) -> torch.Tensor:
+        """Cross-entropy of the draft logits of each labelled slot against the target's own next-token distribution
+        for that position: the target's final hidden state one position earlier, through the frozen LM head (over the
+        draft vocabulary, renormalised there)."""
+        source = (positions - 1).clamp_min(0)[selected]  # slot at position p is predicted from the target at p - 1
+        rows = selected.nonzero()[:, 0]
+        with torch.no_grad():
+            hidden = teacher[rows, source].to(self.adapter.lm_head.weight.dtype)
+            draft_ids = None if self.draft_token_ids is None else self.draft_token_ids.to(hidden.device)
+            target_probs = self.adapter.logits(hidden, draft_ids).softmax(dim=-1)
+        return -(target_probs * logits.float().log_softmax(dim=-1)).sum(dim=-1)
 
     def _accumulate(self, mode: str, stats: dict[str, torch.Tensor]) -> None:
         sums = self._metric_sums[mode]
@@ -368,6 +426,14 @@ class DFlashTrainer(Trainer):
         with torch.no_grad(), self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
+
+    def evaluation_loop(self, *args, **kwargs):
+        """The Trainer's loop, with the acceptance metrics in the returned metrics (so `metric_for_best_model` and
+        early stopping can use them)."""
+        output = super().evaluation_loop(*args, **kwargs)
+        prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
+        output.metrics.update({f"{prefix}_{key}": value for key, value in self._metrics("eval").items()})
+        return output
 
     def _metrics(self, mode: str) -> dict[str, float]:
         sums = self._metric_sums[mode]

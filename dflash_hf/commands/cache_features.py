@@ -20,6 +20,12 @@ def register(subparsers) -> None:
     parser.add_argument("--max-length", type=int, default=3072, help="Truncate rows to this many tokens.")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--shard-mb", type=int, default=512, help="Approximate shard size in MiB.")
+    parser.add_argument(
+        "--no-final-hidden",
+        dest="final_hidden",
+        action="store_false",
+        help="Do not store the target's final hidden states (the distillation teacher; H values per token).",
+    )
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quiet", action="store_true")
@@ -48,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         max_length=args.max_length,
         batch_size=args.batch_size,
         shard_bytes=args.shard_mb * 2**20,
+        final_hidden=args.final_hidden,
         progress=not args.quiet,
     )
     print(json.dumps({"out": args.out, "rows": index["num_rows"], "target_layer_ids": index["target_layer_ids"]}))

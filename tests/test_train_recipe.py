@@ -1,0 +1,235 @@
+"""Recipe switches of DFlashTrainingConfig: coverage, distillation, initialisation from the target, Muon, bf16
+autocast, held-out acceptance evaluation with best-checkpoint selection and early stopping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dflash_hf.trainers import DFlashDataCollator, DFlashTrainer, DFlashTrainingConfig, sample_anchors
+from dflash_hf.trainers.initialisation import initialise_from_target
+from dflash_hf.trainers.masks import valid_anchor_positions
+from dflash_hf.trainers.optimizers import MuonWithAdamW
+from test_train_helpers import make_tiny_target, make_tokenizer, one_thread, write_prompts
+
+from dflash_hf.adapters import TargetAdapter
+from dflash_hf.data import load_training_data, make_data
+from dflash_hf.features import OfflineFeatureDataset, cache_features
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    with one_thread():
+        target = make_tiny_target("llama")
+        tok = make_tokenizer()
+        root = tmp_path_factory.mktemp("recipe")
+        make_data(target, tok, root / "data", source=str(write_prompts(root / "prompts.jsonl")), max_new_tokens=24,
+                  held_out_fraction=0.0, progress=False)
+        return target, tok, load_training_data(root / "data")
+
+
+def config(tmp_path, **kw):
+    base = dict(
+        output_dir=str(tmp_path), block_size=4, num_anchors=8, num_draft_layers=2, num_target_features=2,
+        per_device_train_batch_size=3, learning_rate=1e-3, use_cpu=True, report_to="none", disable_tqdm=True,
+        logging_steps=1, save_strategy="no", seed=0,
+    )
+    base.update(kw)
+    return DFlashTrainingConfig(**base)
+
+
+def full_batch(data):
+    return DFlashDataCollator(pad_token_id=0)([data[i] for i in range(len(data))])
+
+
+def test_coverage_every_response_position_is_an_anchor(tiny):
+    _, _, data = tiny
+    batch = full_batch(data)
+    lengths = batch["attention_mask"].sum(1)
+    anchors, valid = sample_anchors(batch["loss_mask"], lengths, 4, num_anchors=10_000)
+    expected = valid_anchor_positions(batch["loss_mask"], lengths, 4)
+    for row in range(anchors.shape[0]):
+        assert sorted(anchors[row][valid[row]].tolist()) == expected[row].nonzero().flatten().tolist()
+
+
+def test_distillation_pulls_towards_the_targets_distribution(tiny, tmp_path):
+    """w=1 is exactly the cross-entropy against the target's softmax one position before each slot; w=0 is the
+    hard-label loss; the mix is linear."""
+    target, tok, data = tiny
+    trainer = DFlashTrainer(args=config(tmp_path / "a", distill_weight=1.0), target=target, train_dataset=data,
+                            processing_class=tok)
+    batch = full_batch(data)
+    torch.manual_seed(0)
+    anchors = sample_anchors(batch["loss_mask"], batch["attention_mask"].sum(1), 4, 8)
+    with torch.no_grad():
+        soft, _ = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
+        trainer.distill_weight = 0.0
+        hard, _ = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
+        trainer.distill_weight = 0.25
+        mixed, _ = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
+    assert abs(mixed.item() - (0.75 * hard.item() + 0.25 * soft.item())) < 1e-4
+    assert abs(soft.item() - hard.item()) > 1e-3
+    # reference: the soft loss recomputed by hand, slot by slot, from the target's softmax at position p - 1
+    from dflash_hf.trainers.masks import block_attention_mask, build_blocks
+
+    blocks = build_blocks(batch["input_ids"], batch["loss_mask"], *anchors, 4, trainer.mask_token_id,
+                          trainer.loss_decay_gamma)
+    adapter = TargetAdapter(target, trainer.model.config.target_layer_ids)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        context, final = trainer.target_features(ids, mask)
+        out = trainer.model(noise_embeds=adapter.embed(blocks.block_ids), context_hidden_states=context,
+                            position_ids=blocks.position_ids,
+                            attention_mask=block_attention_mask(*anchors, ids.shape[1], 4))
+        hidden = out.last_hidden_state.view(ids.shape[0], anchors[0].shape[1], 4, -1)
+        total, weight_sum = 0.0, 0.0
+        for b, j, k in (blocks.weights > 0).nonzero().tolist():
+            pos = int(anchors[0][b, j]) + k
+            teacher = adapter.logits(final[b, pos - 1]).softmax(-1)
+            student = adapter.logits(hidden[b, j, k]).log_softmax(-1)
+            weight = float(blocks.weights[b, j, k])
+            total += weight * float(-(teacher * student).sum())
+            weight_sum += weight
+    assert abs(soft.item() - total / weight_sum) < 1e-4
+
+
+def test_distillation_training_reaches_lower_teacher_loss(tiny, tmp_path):
+    """A few steps with w=1 lower the soft loss (the student moves towards the teacher)."""
+    target, tok, data = tiny
+    trainer = DFlashTrainer(args=config(tmp_path, distill_weight=1.0, max_steps=12, learning_rate=3e-3),
+                            target=target, train_dataset=data, processing_class=tok)
+    batch = full_batch(data)
+    anchors = sample_anchors(batch["loss_mask"], batch["attention_mask"].sum(1), 4, 8,
+                             generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before, _ = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
+    trainer.train()
+    with torch.no_grad():
+        after, _ = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
+    assert after.item() < before.item() - 0.05
+
+
+def test_offline_final_hidden_matches_online_distillation(tiny, tmp_path):
+    target, tok, data = tiny
+    trainer = DFlashTrainer(args=config(tmp_path / "on", distill_weight=1.0), target=target, train_dataset=data,
+                            processing_class=tok)
+    feats = tmp_path / "features"
+    cache_features(target, data, feats, trainer.model.config.target_layer_ids, batch_size=2, progress=False)
+    offline = OfflineFeatureDataset(data, feats, trainer.model.config.target_layer_ids)
+    assert offline.has_final_hidden and offline[0]["target_final_hidden"].shape[-1] == target.config.hidden_size
+    batch = full_batch(data)
+    off_batch = DFlashDataCollator(pad_token_id=0)([offline[i] for i in range(len(offline))])
+    anchors = sample_anchors(batch["loss_mask"], batch["attention_mask"].sum(1), 4, 8,
+                             generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        online, _ = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
+        cached, _ = trainer.dflash_loss(trainer.model, off_batch, anchors=anchors)
+    assert abs(online.item() - cached.item()) < 2e-2 * max(1.0, online.item())
+    # a folder cached without final hidden states cannot feed distillation
+    bare = tmp_path / "bare"
+    cache_features(target, data, bare, trainer.model.config.target_layer_ids, final_hidden=False, progress=False)
+    with pytest.raises(ValueError, match="final hidden states"):
+        DFlashTrainer(model=trainer.model, target=target, train_dataset=data, processing_class=tok,
+                      args=config(tmp_path / "off", distill_weight=0.5, features="offline", features_dir=str(bare)))
+
+
+def test_init_from_target_copies_the_top_layers(tiny, tmp_path):
+    target, tok, data = tiny
+    trainer = DFlashTrainer(args=config(tmp_path, init_from_target=True), target=target, train_dataset=data,
+                            processing_class=tok)
+    drafter = trainer.model
+    layers = target.model.layers
+    top = len(layers) - 2
+    for i, layer in enumerate(drafter.layers):
+        assert torch.equal(layer.self_attn.q_proj.weight, layers[top + i].self_attn.q_proj.weight)
+        assert torch.equal(layer.mlp.down_proj.weight, layers[top + i].mlp.down_proj.weight)
+    assert torch.equal(drafter.norm.weight, target.model.norm.weight)
+    # fc picks the last tap: the fused context is the first copied layer's input norm of that tap's output
+    hidden = target.config.hidden_size
+    features = torch.randn(1, 3, 2 * hidden)
+    with torch.no_grad():
+        fused = drafter.fuse_context(features)
+        expected = layers[top].input_layernorm(features[..., -hidden:])
+    assert torch.allclose(fused, expected, atol=1e-5)
+    with pytest.raises(ValueError, match="Llama/Qwen-style"):
+        initialise_from_target(drafter, make_tiny_target("gemma3"))
+
+
+def test_muon_optimises_matrices_and_adamw_the_rest(tiny, tmp_path):
+    target, tok, data = tiny
+    trainer = DFlashTrainer(args=config(tmp_path, muon=True, max_steps=2), target=target, train_dataset=data,
+                            processing_class=tok)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    assert isinstance(opt, MuonWithAdamW)
+    muon, adamw = opt._inner
+    assert isinstance(muon, torch.optim.Muon) and all(p.ndim == 2 for p in muon.param_groups[0]["params"])
+    assert isinstance(adamw, torch.optim.AdamW) and all(p.ndim == 1 for p in adamw.param_groups[0]["params"])
+    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
+    assert any("proj" in n for n in changed) and any("norm" in n for n in changed)
+    # the scheduler drives both inner optimizers
+    assert muon.param_groups[0]["lr"] == adamw.param_groups[0]["lr"] == trainer.lr_scheduler.get_last_lr()[0]
+
+
+def test_muon_checkpoint_resumes_the_same_run(tiny, tmp_path):
+    target, tok, data = tiny
+    kw = dict(muon=True, max_steps=4, save_strategy="steps", save_steps=2, per_device_train_batch_size=2)
+    full = DFlashTrainer(args=config(tmp_path / "full", **kw), target=target, train_dataset=data, processing_class=tok)
+    full.train()
+    torch.manual_seed(5)
+    resumed = DFlashTrainer(args=config(tmp_path / "res", **kw), target=target, train_dataset=data,
+                            processing_class=tok)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    for key, value in resumed.model.state_dict().items():
+        assert torch.allclose(value, full.model.state_dict()[key], atol=1e-6), key
+
+
+def test_bf16_autocast_trains_on_cpu(tiny, tmp_path):
+    target, tok, data = tiny
+    trainer = DFlashTrainer(args=config(tmp_path, bf16=True, max_steps=2), target=target, train_dataset=data,
+                            processing_class=tok)
+    seen = []
+    handle = trainer.model.layers[0].mlp.gate_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    trainer.train()
+    handle.remove()
+    assert seen and all(d == torch.bfloat16 for d in seen)
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # master weights stay fp32
+
+
+def test_held_out_acceptance_selects_the_best_checkpoint(tiny, tmp_path):
+    """Evaluation uses every anchor (deterministic), reports blockwise acceptance, and with load_best_model_at_end
+    the best evaluation's weights are the ones kept; early stopping ends a run that stopped improving."""
+    target, tok, data = tiny
+    args = config(tmp_path, max_steps=6, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+                  load_best_model_at_end=True, per_device_eval_batch_size=6)
+    assert args.metric_for_best_model == "acceptance_length_blockwise" and args.greater_is_better
+    trainer = DFlashTrainer(args=args, target=target, train_dataset=data, eval_dataset=data, processing_class=tok)
+    first = trainer.evaluate()
+    again = trainer.evaluate()
+    assert first["eval_acceptance_length_blockwise"] == again["eval_acceptance_length_blockwise"]
+    assert "eval_accuracy_slot_1" in first
+    trainer.train()
+    evals = [e for e in trainer.state.log_history if "eval_acceptance_length_blockwise" in e]
+    assert len(evals) == 3
+    best = max(e["eval_acceptance_length_blockwise"] for e in evals)
+    assert trainer.state.best_metric == best
+    assert abs(trainer.evaluate()["eval_acceptance_length_blockwise"] - best) < 1e-9
+
+    stop = config(tmp_path / "stop", max_steps=40, eval_strategy="steps", eval_steps=1, save_strategy="steps",
+                  save_steps=1, load_best_model_at_end=True, early_stopping_patience=1, learning_rate=0.0)
+    stopper = DFlashTrainer(args=stop, target=target, train_dataset=data, eval_dataset=data, processing_class=tok)
+    stopper.train()
+    assert stopper.state.global_step < 40  # lr 0: no improvement, stopped after one patient evaluation
+
+
+def test_bad_recipe_values_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match="distill_weight"):
+        DFlashTrainingConfig(output_dir=str(tmp_path), distill_weight=1.5, use_cpu=True)
+    with pytest.raises(ValueError, match="early_stopping_patience"):
+        DFlashTrainingConfig(output_dir=str(tmp_path), early_stopping_patience=0, use_cpu=True)

@@ -1,0 +1,74 @@
+"""`MuonWithAdamW`: `torch.optim.Muon` for 2-D weight matrices and `torch.optim.AdamW` for the rest, as one optimizer.
+
+Muon orthogonalises the momentum of matrix parameters and is only defined for 2-D tensors; norms (1-D) stay on AdamW.
+Muon's learning rate is adjusted to match AdamW's update RMS (`adjust_lr_fn="match_rms_adamw"`), so one learning
+rate and one schedule drive both. The Trainer's scheduler and checkpointing see an ordinary optimizer: its
+`param_groups` are the two inner optimizers' groups, and its state dict holds both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon for 2-D parameters, AdamW for the others, behind one `torch.optim.Optimizer` interface."""
+
+    def __init__(
+        self,
+        params,
+        lr: float,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+    ) -> None:
+        params = [p for p in params if p.requires_grad]
+        matrices = [p for p in params if p.ndim == 2]
+        others = [p for p in params if p.ndim != 2]
+        if not matrices:
+            raise ValueError("MuonWithAdamW needs at least one 2-D parameter (Muon optimises weight matrices).")
+        self._inner: list[torch.optim.Optimizer] = [
+            torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
+        ]
+        if others:
+            self._inner.append(torch.optim.AdamW(others, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        super().__init__(params, {"lr": lr})
+        self.param_groups = [group for inner in self._inner for group in inner.param_groups]
+
+    @property
+    def state(self):  # the inner optimizers own the per-parameter state
+        merged: dict = {}
+        for inner in getattr(self, "_inner", []):
+            merged.update(inner.state)
+        return merged
+
+    @state.setter
+    def state(self, value) -> None:  # set by `Optimizer.__init__`; the inner optimizers keep their own
+        pass
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for inner in self._inner:
+            inner.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for inner in self._inner:
+            inner.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"inner": [inner.state_dict() for inner in self._inner]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        inner_states = state_dict.get("inner")
+        if inner_states is None or len(inner_states) != len(self._inner):
+            raise ValueError("This optimizer state was not written by MuonWithAdamW with the same parameters.")
+        for inner, inner_state in zip(self._inner, inner_states):
+            inner.load_state_dict(inner_state)
+        self.param_groups = [group for inner in self._inner for group in inner.param_groups]
