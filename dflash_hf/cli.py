@@ -34,7 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "train":  # `train` parses its own flags (TRL's parser: --config recipe.yaml + overrides)
+        args = parser.parse_args(["train", *(["--help"] if {"-h", "--help"} & set(argv[1:]) else [])])
+        args.train_argv = argv[1:]
+    else:
+        args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

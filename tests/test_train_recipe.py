@@ -233,3 +233,40 @@ def test_bad_recipe_values_are_rejected(tmp_path):
         DFlashTrainingConfig(output_dir=str(tmp_path), distill_weight=1.5, use_cpu=True)
     with pytest.raises(ValueError, match="early_stopping_patience"):
         DFlashTrainingConfig(output_dir=str(tmp_path), early_stopping_patience=0, use_cpu=True)
+
+
+def test_max_train_samples_trains_on_a_prefix(tiny, tmp_path):
+    target, tok, data = tiny
+    trainer = DFlashTrainer(args=config(tmp_path, max_train_samples=2), target=target, train_dataset=data,
+                            processing_class=tok)
+    assert len(trainer.train_dataset) == 2
+    assert [trainer.train_dataset[i]["input_ids"] for i in range(2)] == [data[i]["input_ids"] for i in range(2)]
+    with pytest.raises(ValueError, match="max_train_samples"):
+        DFlashTrainingConfig(output_dir=str(tmp_path), max_train_samples=0, use_cpu=True)
+
+
+def test_train_command_reads_a_yaml_recipe_and_flags_override_it(tiny, tmp_path):
+    """`dflash-hf train --config recipe.yaml` (TRL's parser): the file sets the recipe, command-line flags win."""
+    import json
+
+    from dflash_hf.cli import main as cli_main
+
+    target, tok, _ = tiny
+    target.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    from dflash_hf.data import make_data
+
+    make_data(target, tok, tmp_path / "data", source=str(write_prompts(tmp_path / "p.jsonl")), max_new_tokens=12,
+              held_out_fraction=0.0, progress=False)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"target: {tmp_path / 'target'}\ndata: {tmp_path / 'data'}\nbase_model: test-org/tiny\n"
+        f"output_dir: {tmp_path / 'run'}\nblock_size: 4\nnum_draft_layers: 1\nnum_target_features: 2\n"
+        "num_anchors: 8\nmax_steps: 3\ndistill_weight: 0.5\nuse_cpu: true\nreport_to: none\ndisable_tqdm: true\n"
+        "save_strategy: 'no'\n"
+    )
+    assert cli_main(["train", "--config", str(recipe), "--max_steps", "2"]) == 0
+    summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
+    assert summary["global_step"] == 2  # the flag overrode the file's 3
+    args = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
+    assert args["block_size"] == 4 and args["num_hidden_layers"] == 1  # the file's recipe was used

@@ -58,6 +58,8 @@ class DFlashTrainingConfig(TrainingArguments):
             features it expects. Needs a target whose layers have the drafter's shapes.
         muon (`bool`, defaults to `False`): Optimise the drafter's 2-D weight matrices with `torch.optim.Muon`
             (learning rate matched to AdamW's update RMS) and the rest (norms) with AdamW.
+        max_train_samples (`int`, *optional*): Train on the first N rows of the training data only (ablations on a
+            subset of a cached dataset).
         early_stopping_patience (`int`, *optional*): Stop when the evaluation metric (`metric_for_best_model`, by
             default the held-out blockwise acceptance length) has not improved for this many evaluations.
 
@@ -103,6 +105,9 @@ class DFlashTrainingConfig(TrainingArguments):
         default=False, metadata={"help": "Initialise a new drafter's layers from the target's top layers."}
     )
     muon: bool = field(default=False, metadata={"help": "torch.optim.Muon for 2-D weights, AdamW for the rest."})
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "Train on the first N rows of the training data only."}
+    )
     early_stopping_patience: int | None = field(
         default=None, metadata={"help": "Stop after this many evaluations without improvement of the best metric."}
     )
@@ -147,6 +152,8 @@ class DFlashTrainingConfig(TrainingArguments):
             self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         if not 0.0 <= float(self.distill_weight) <= 1.0:
             raise ValueError(f"distill_weight must be in [0, 1], got {self.distill_weight}.")
+        if self.max_train_samples is not None and int(self.max_train_samples) < 1:
+            raise ValueError(f"max_train_samples must be >= 1, got {self.max_train_samples}.")
         if self.early_stopping_patience is not None and int(self.early_stopping_patience) < 1:
             raise ValueError(f"early_stopping_patience must be >= 1, got {self.early_stopping_patience}.")
         if (self.load_best_model_at_end or self.early_stopping_patience) and self.metric_for_best_model is None:

@@ -244,6 +244,9 @@ class DFlashTrainer(Trainer):
                     f"{args.features_dir} were cached without them: recache with `dflash-hf cache-features` (without "
                     "--no-final-hidden), use features='online', or set distill_weight 0."
                 )
+        if args.max_train_samples is not None and train_dataset is not None:
+            count = min(int(args.max_train_samples), len(train_dataset))
+            train_dataset = torch.utils.data.Subset(train_dataset, range(count))
         if data_collator is None:
             pad = getattr(processing_class, "pad_token_id", None)
             if pad is None:

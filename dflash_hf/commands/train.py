@@ -1,7 +1,8 @@
 """`dflash-hf train` (and `examples/train.py`): train a DFlash drafter with [`DFlashTrainer`].
 
 Every `DFlashTrainingConfig` / `TrainingArguments` option is a flag (`--per_device_train_batch_size 4`,
-`--gradient_accumulation_steps 8`, `--bf16`, `--save_steps 500`, `--resume_from_checkpoint last`, ...). Runs on one
+`--gradient_accumulation_steps 8`, `--bf16`, `--save_steps 500`, `--resume_from_checkpoint last`, ...). As in TRL's
+scripts (`TrlParser`), `--config recipe.yaml` reads a recipe (`examples/recipes/`) and flags override it. Runs on one
 device as is and on several under `accelerate launch` (the Trainer sets up DDP; CPU runs use gloo):
 
     accelerate launch --num_processes 2 examples/train.py --target smollm2-135m --data data/smollm2 \\
@@ -18,7 +19,7 @@ import argparse
 import json
 import os
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -58,30 +59,34 @@ def _base_model(script: "DFlashScriptArguments") -> str | None:
     )
 
 
-def _hf_parser():
-    from transformers import HfArgumentParser
+def _trl_parser():
+    from trl import TrlParser
 
     from dflash_hf.trainers import DFlashTrainingConfig
 
-    return HfArgumentParser((DFlashScriptArguments, DFlashTrainingConfig), add_help=False)
+    return TrlParser((DFlashScriptArguments, DFlashTrainingConfig), prog="dflash-hf train")
 
 
 def register(subparsers) -> None:
-    subparsers.add_parser(
+    parser = subparsers.add_parser(
         "train",
-        parents=[_hf_parser()],
-        help="Train a DFlash drafter (TrainingArguments flags; works under `accelerate launch`).",
+        add_help=False,
+        help="Train a DFlash drafter (TrainingArguments flags, --config recipe.yaml; works under `accelerate launch`).",
         description=__doc__.split("\n\n")[0],
-        conflict_handler="resolve",
-    ).set_defaults(func=run)
+    )
+    parser.add_argument("-h", "--help", action="store_true", dest="train_help")
+    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_hf.trainers import DFlashTrainingConfig
-
-    script = DFlashScriptArguments(**{f.name: getattr(args, f.name) for f in fields(DFlashScriptArguments)})
-    values = {f.name: getattr(args, f.name) for f in fields(DFlashTrainingConfig) if f.init and hasattr(args, f.name)}
-    config = DFlashTrainingConfig(**values)
+    """Parse the `train` flags (after the sub-command) with TRL's parser: `--config FILE.yaml` gives the recipe,
+    flags on the command line override it."""
+    parser = _trl_parser()
+    argv = list(getattr(args, "train_argv", []))
+    if getattr(args, "train_help", False):
+        parser.print_help()
+        return 0
+    script, config = parser.parse_args_and_config(argv)
     train(script, config)
     return 0
 
@@ -162,12 +167,18 @@ def train(script: DFlashScriptArguments, config) -> dict:
             * config.gradient_accumulation_steps
             * trainer.args.world_size,
             "features": config.features,
+            "distill_weight": config.distill_weight,
+            "init_from_target": config.init_from_target,
+            "optimizer": "muon+adamw" if config.muon else "adamw",
+            "precision": "bf16 autocast" if config.bf16 else ("fp16 autocast" if config.fp16 else "fp32"),
             "wall_time_s": round(wall, 1),
             "final_train_loss": round(float(result.training_loss), 4),
         }
         for key in ("accuracy", "acceptance_length", "acceptance_length_blockwise"):
             if key in last:
                 training_facts[f"train_{key}"] = round(float(last[key]), 4)
+        if trainer.state.best_metric is not None and config.metric_for_best_model:
+            training_facts[f"best_eval_{config.metric_for_best_model}"] = round(float(trainer.state.best_metric), 4)
         summary["export_dir"] = str(_export(drafter, export_dir, target, script, training_facts, base_model))
         Path(config.output_dir).mkdir(parents=True, exist_ok=True)
         tmp = Path(config.output_dir) / ".train_summary.json.tmp"
