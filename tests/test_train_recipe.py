@@ -270,3 +270,14 @@ def test_train_command_reads_a_yaml_recipe_and_flags_override_it(tiny, tmp_path)
     assert summary["global_step"] == 2  # the flag overrode the file's 3
     args = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
     assert args["block_size"] == 4 and args["num_hidden_layers"] == 1  # the file's recipe was used
+
+
+def test_a_saved_bf16_drafter_continues_training_in_fp32(tiny, tmp_path):
+    """Warm start from a checkpoint saved in bf16 (like the bundled drafter): master weights are fp32 again."""
+    target, tok, data = tiny
+    first = DFlashTrainer(args=config(tmp_path / "a"), target=target, train_dataset=data, processing_class=tok)
+    first.model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    warm = DFlashTrainer(model=str(tmp_path / "bf16"), args=config(tmp_path / "b", max_steps=1), target=target,
+                         train_dataset=data, processing_class=tok)
+    assert all(p.dtype == torch.float32 for p in warm.model.parameters())
+    warm.train()

@@ -180,8 +180,8 @@ class DFlashTrainer(Trainer):
                 "DFlashTrainer needs the frozen `target` model: the drafter is conditioned on its hidden states and "
                 "shares its embedding and LM head."
             )
-        if isinstance(model, str):
-            model = DFlashDraftModel.from_pretrained(model)
+        if isinstance(model, str):  # train in fp32 master weights whatever dtype the checkpoint was saved in
+            model = DFlashDraftModel.from_pretrained(model, dtype=torch.float32)
         if model is None:
             mask_token_id = args.mask_token_id
             model = DFlashDraftModel(
