@@ -59,13 +59,7 @@ def _check_pairing(drafter: DFlashDraftModel, target: Any, text_config: PreTrain
     if not isinstance(target, PreTrainedModel):
         with torch.device("meta"):  # shapes only: no memory, no weights
             target = AutoModelForCausalLM.from_config(text_config)
-    TargetAdapter(target, drafter.config.target_layer_ids).check_drafter(drafter)
-    expected_layers = drafter.config.num_target_layers
-    if expected_layers is not None and int(expected_layers) != int(text_config.num_hidden_layers):
-        raise ValueError(
-            f"The drafter was built for a {expected_layers}-layer target but the target has "
-            f"{text_config.num_hidden_layers} layers: pass the target the drafter was trained with."
-        )
+    TargetAdapter.for_drafter(target, drafter)
 
 
 def _is_repo_id(name: str) -> bool:

@@ -434,7 +434,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         r"""
         Args:
             noise_embeds (`torch.Tensor` of shape `(batch, block, hidden_size)`):
-                Target-embedded block: the anchor (last committed token) followed by mask tokens.
+                Target-embedded block: the anchor (last committed token) followed by mask tokens. Inputs of any
+                floating dtype are cast to the drafter's; `last_hidden_state` comes back in `noise_embeds`' dtype.
             context_hidden_states (`torch.Tensor` of shape `(batch, n_ctx, len(target_layer_ids) * hidden_size)`, *optional*):
                 Tapped target hidden states of the committed tokens not yet in the cache, concatenated on the last dim.
             position_ids (`torch.LongTensor` of shape `(batch, n_ctx + block)`, *optional*):
@@ -488,7 +489,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 cache=cache,
                 **kwargs,
             )
-        hidden_states = self.norm(hidden_states)
+        # computed in the drafter's dtype, returned in the caller's (the target's LM head takes it next)
+        hidden_states = self.norm(hidden_states).to(noise_embeds.dtype)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{_OUTPUT_CACHE_FIELD: cache})
 
     def __getattr__(self, name: str):

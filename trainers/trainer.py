@@ -220,8 +220,7 @@ class DFlashTrainer(Trainer):
         self.target = target
         self.target.requires_grad_(False)
         self.target.eval()
-        self.adapter = TargetAdapter(target, list(model.config.target_layer_ids))
-        self.adapter.check_drafter(model)
+        self.adapter = TargetAdapter.for_drafter(target, model)
         self.block_size = int(model.config.block_size)
         self.mask_token_id = int(model.config.mask_token_id)
         self.loss_decay_gamma = float(args.loss_decay_gamma)
