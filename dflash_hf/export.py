@@ -29,6 +29,7 @@ from .adapters import TargetAdapter
 from .hub_cards import render_model_card
 from .modeling import DFlashConfig, DFlashDraftModel
 from .official import OFFICIAL_MODELING_FILE, to_official_config
+from .targets import TARGETS, resolve_target_dir
 
 EXPORT_FORMATS = ("dflash-hf", "official")
 DFLASH_HF_AUTO_MAP = {
@@ -39,7 +40,10 @@ _LICENSE_FIELDS = ("license", "license_name", "license_link")
 
 
 def _target_config(target: PreTrainedModel | PreTrainedConfig | str | os.PathLike) -> tuple[PreTrainedConfig, str]:
-    """Return the target's config and its name or path."""
+    """Return the target's config and its name or path (a named target: its Hub id, config from the local cache)."""
+    if isinstance(target, (str, os.PathLike)) and os.fspath(target) in TARGETS:
+        spec = TARGETS[os.fspath(target)]
+        return AutoConfig.from_pretrained(resolve_target_dir(spec.name)), spec.hub_id or spec.name
     if isinstance(target, PreTrainedModel):
         config = target.config
     elif isinstance(target, PreTrainedConfig):

