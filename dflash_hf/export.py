@@ -26,6 +26,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
 from .adapters import TargetAdapter
+from .fileio import set_ordinary_mode
 from .hub_cards import render_model_card
 from .modeling import DFlashConfig, DFlashDraftModel
 from .official import OFFICIAL_MODELING_FILE, to_official_config
@@ -104,6 +105,7 @@ def _write_folder(drafter: DFlashDraftModel, folder: Path, format: str, card: st
         config.update(architectures=["DFlashDraftModel"], auto_map=dict(DFLASH_HF_AUTO_MAP))
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     (folder / "README.md").write_text(card, encoding="utf-8")
+    set_ordinary_mode(folder)
 
 
 def _write_atomically(out_dir: Path, overwrite: bool, write: Callable[[Path], None]) -> None:

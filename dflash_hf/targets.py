@@ -47,6 +47,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from .fileio import discard, set_ordinary_mode
+
 CACHE_ENV = "DFLASH_HF_CACHE"
 MARKER_FILE = "dflash_hf_cache.json"
 CACHE_FORMAT = 1
@@ -277,15 +279,6 @@ def _write_marker(directory: Path, spec: TargetSpec) -> None:
     (directory / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
 
 
-def _discard(path: Path) -> None:
-    """Move `path` aside (atomic) and delete it, so a half-deleted folder never sits under its real name."""
-    if not path.exists():
-        return
-    trash = Path(tempfile.mkdtemp(prefix=f".{path.name}.stale-", dir=path.parent))
-    path.rename(trash / path.name)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
 def _build(spec: TargetSpec, final: Path) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=f".{spec.name}.building-", dir=final.parent))
@@ -302,11 +295,12 @@ def _build(spec: TargetSpec, final: Path) -> None:
             _prepare_for_saving(model, tokenizer)
             model.save_pretrained(output)
             tokenizer.save_pretrained(output)
+            set_ordinary_mode(output)
             del model
             progress.update()
             progress.set_postfix_str("checksums")
             _write_marker(output, spec)
-            _discard(final)
+            discard(final)
             try:
                 output.rename(final)
             except OSError:

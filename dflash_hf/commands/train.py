@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -82,20 +83,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _resolve_resume(value, output_dir: str):
-    from transformers.trainer_utils import get_last_checkpoint
+    """The checkpoint to resume from: `last` is the newest *complete* `checkpoint-N` (incomplete ones are named)."""
+    from dflash_hf.trainers.checkpoint_io import check_complete_checkpoint, last_complete_checkpoint
 
     if value is None or value is False:
         return None
     if value is True or str(value).lower() in ("last", "latest", "true", "auto"):
-        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        last, skipped = last_complete_checkpoint(output_dir)
+        for folder in skipped:
+            print(f"skipping incomplete checkpoint {folder}", file=sys.stderr)
         if last is None and str(value).lower() != "auto":
             raise ValueError(
-                f"--resume_from_checkpoint {value}: no checkpoint-* folder in {output_dir}; drop the flag to start "
-                "a new run (or use 'auto' to resume only when a checkpoint exists)."
+                f"--resume_from_checkpoint {value}: no complete checkpoint-* folder in {output_dir}; drop the flag to "
+                "start a new run (or use 'auto' to resume only when a checkpoint exists)."
             )
         return last
     if not os.path.isdir(value):
         raise ValueError(f"--resume_from_checkpoint {value!r} is not a checkpoint folder.")
+    check_complete_checkpoint(value)
     return value
 
 
