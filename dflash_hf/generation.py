@@ -98,7 +98,7 @@ def check_inputs(
 
     A 1-D `input_ids` (and a 1-D mask with it) is a batch of one. Raises a `ValueError` naming the input and the fix
     for non-integer or out-of-vocabulary ids, an empty prompt, a mask of another shape or with values other than
-    0/1, and padding that is not on the left (right padding would silently change the output).
+    0/1, and a row that ends with padding (right padding would silently change the output).
     """
     if not isinstance(input_ids, torch.Tensor):
         raise ValueError(
@@ -140,11 +140,11 @@ def check_inputs(
     empty = (mask.sum(-1) == 0).nonzero()
     if empty.numel():
         raise ValueError(f"Row {int(empty[0])} of `attention_mask` masks every token: each prompt needs a token.")
-    right = (mask[:, 1:] < mask[:, :-1]).any(-1).nonzero()
+    right = (mask[:, -1] == 0).nonzero()
     if right.numel():
         raise ValueError(
-            f"Row {int(right[0])} of the batch has padding after its tokens (right padding): DFlash generation needs "
-            "left-padded prompts; set `tokenizer.padding_side = \"left\"` before tokenizing the batch."
+            f"Row {int(right[0])} of the batch ends with padding (right padding): DFlash generation needs left-padded "
+            "prompts; set `tokenizer.padding_side = \"left\"` before tokenizing the batch."
         )
     return input_ids, attention_mask
 

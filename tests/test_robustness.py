@@ -145,8 +145,8 @@ def _api_cases(target, drafter, folders):
                 target, drafter, torch.tensor([[1, 5, 6, 7], [1, 8, 0, 0]]),
                 attention_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]), max_new_tokens=4,
             ),
-            r"Row 1 of the batch has padding after its tokens \(right padding\): DFlash generation needs "
-            r"left-padded prompts; set `tokenizer.padding_side = \"left\"`",
+            r"Row 1 of the batch ends with padding \(right padding\): DFlash generation needs left-padded prompts; "
+            r"set `tokenizer.padding_side = \"left\"`",
         ),
         "prompt longer than the positions": (
             lambda: dflash_hf.generate(target, drafter, torch.randint(3, 60, (1, 1020)), max_new_tokens=8),
