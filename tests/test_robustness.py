@@ -366,12 +366,41 @@ def _train_argv(root: Path, out: str, *extra: str) -> list[str]:
     ]
 
 
-def test_train_survives_sigkill_during_a_checkpoint_save(train_setup, capsys):
+@pytest.fixture(scope="module")
+def reference_run(train_setup) -> Path:
+    """Data, and an uninterrupted 4-step run to compare the resumed runs with."""
     root, prompts = train_setup
     if not (root / "data").exists():
         assert cli.main(_make_data_argv(root, prompts, "data")) == 0
-    torch.manual_seed(0)  # as in the killed child
+    torch.manual_seed(0)  # as in the killed children
     assert cli.main(_train_argv(root, "reference")) == 0
+    return root
+
+
+def _assert_same_run(root: Path, run: Path) -> None:
+    """The resumed run logged every step once and ends with the uninterrupted run's weights."""
+    state = json.loads((run / "checkpoint-4" / "trainer_state.json").read_text())
+    steps = [entry["step"] for entry in state["log_history"] if "loss" in entry]
+    assert steps == [1, 2, 3, 4]  # nothing lost, nothing duplicated
+    reference = load_file(str(root / "reference" / "final" / "model.safetensors"))
+    resumed = load_file(str(run / "final" / "model.safetensors"))
+    assert reference.keys() == resumed.keys()
+    for key, value in reference.items():
+        assert torch.allclose(value, resumed[key], atol=1e-6), key
+
+
+def test_train_survives_sigkill_mid_step(reference_run, capsys):
+    root = reference_run
+    _killed_run(_train_argv(root, "mid-step"), trainer_module.DFlashTrainer, "dflash_loss", 4)  # inside step 4
+    run = root / "mid-step"
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert cli.main(_train_argv(root, "mid-step", "--resume_from_checkpoint", "last")) == 0
+    capsys.readouterr()
+    _assert_same_run(root, run)
+
+
+def test_train_survives_sigkill_during_a_checkpoint_save(reference_run, capsys):
+    root = reference_run
     capsys.readouterr()
     # each checkpoint saves optimizer, scheduler and RNG state: the 7th call is inside checkpoint-3, after its weights
     _killed_run(_train_argv(root, "run"), trainer_module, "save_state", 7)
@@ -391,13 +420,6 @@ def test_train_survives_sigkill_during_a_checkpoint_save(train_setup, capsys):
     assert code == 0
     assert f"skipping incomplete checkpoint {run / 'checkpoint-3'} (no trainer_state.json)" in err
     assert not list(run.glob(".checkpoint-*"))  # leftovers cleared
-    state = json.loads((run / "checkpoint-4" / "trainer_state.json").read_text())
-    steps = [entry["step"] for entry in state["log_history"] if "loss" in entry]
-    assert steps == [1, 2, 3, 4]  # nothing lost, nothing duplicated
-    reference = load_file(str(root / "reference" / "final" / "model.safetensors"))
-    resumed = load_file(str(run / "final" / "model.safetensors"))
-    assert reference.keys() == resumed.keys()
-    for key, value in reference.items():
-        assert torch.allclose(value, resumed[key], atol=1e-6), key
+    _assert_same_run(root, run)
     for folder in (run / "checkpoint-4", run / "final"):  # (8) ordinary modes in checkpoints and exports
         assert {stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir() if p.is_file()} == {FILE_MODE}
