@@ -86,7 +86,7 @@ def _check_built_for(drafter_config: PreTrainedConfig, target: PreTrainedModel) 
         return
     drafter_name = getattr(drafter_config, "name_or_path", "") or ""
     target_name = getattr(config, "name_or_path", "") or ""
-    built = " ".join(filter(None, (f"{built_layers}-layer" if built_layers else "", f"`{built_type}`" if built_type else "")))
+    built = " ".join(filter(None, (f"{built_layers}-layer" if built_layers else "", built_type and f"`{built_type}`")))
     raise ValueError(
         f"This drafter{f' ({drafter_name})' if drafter_name else ''} was built for another target: a {built} "
         f"target, but this target{f' ({target_name})' if target_name else ''} is a {layers}-layer `{model_type}`. "

@@ -123,13 +123,13 @@ def check_inputs(
     low, high = int(input_ids.min()), int(input_ids.max())
     if low < 0 or high >= vocab_size:
         raise ValueError(
-            f"`input_ids` hold token ids outside the target's vocabulary (ids {low}..{high}, valid 0..{vocab_size - 1}): "
-            "encode the prompt with this target's tokenizer."
+            f"`input_ids` hold token ids outside the target's vocabulary (ids {low}..{high}, valid "
+            f"0..{vocab_size - 1}): encode the prompt with this target's tokenizer."
         )
     if attention_mask is None:
         return input_ids, None
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
-        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
         raise ValueError(
             f"`attention_mask` has shape {shape} but `input_ids` has shape {tuple(input_ids.shape)}: pass the mask "
             "the tokenizer returned with these ids (1 for tokens, 0 for left padding)."
@@ -160,7 +160,7 @@ def check_context_length(target: PreTrainedModel, prompt_tokens: int, max_new_to
         )
 
 
-def _check_request(input_ids: torch.Tensor, generation_config: GenerationConfig) -> None:
+def _check_request(generation_config: GenerationConfig) -> None:
     for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
         if getattr(generation_config, flag, False):
             raise ValueError(
@@ -511,7 +511,7 @@ def custom_generate(
         )
     if synced_gpus:
         raise ValueError("DFlash generation does not support `synced_gpus` (DeepSpeed ZeRO-3 / FSDP generation).")
-    _check_request(input_ids, generation_config)
+    _check_request(generation_config)
     input_ids, attention_mask = check_inputs(model, input_ids, model_kwargs.get("attention_mask"))
     longest = input_ids.shape[1] if attention_mask is None else int(attention_mask.sum(-1).max())
     check_context_length(model, longest, int(generation_config.max_length) - input_ids.shape[1])
