@@ -24,6 +24,7 @@ import pytest
 import torch
 from conftest import greedy_reference, make_drafter, make_target
 from dflash_hf.trainers import trainer as trainer_module
+from dflash_hf.trainers.checkpoint_io import last_complete_checkpoint
 from safetensors.torch import load_file
 from test_targets import make_llama, save_tiny_target
 from test_train_helpers import make_tokenizer, write_prompts
@@ -416,6 +417,8 @@ def test_train_survives_sigkill_during_a_checkpoint_save(reference_run, capsys):
     assert err[0].startswith(f"error: Checkpoint {run / 'checkpoint-3'} is incomplete (no trainer_state.json; its "
                              f"save was interrupted): resume from {run / 'checkpoint-2'}"), err
 
+    assert last_complete_checkpoint(run) == (str(run / "checkpoint-2"),  # what Trainer.train(True) resumes from
+                                             [f"{run / 'checkpoint-3'} (no trainer_state.json)"])
     code, _, err = _cli(capsys, _train_argv(root, "run", "--resume_from_checkpoint", "last"))
     assert code == 0
     assert f"skipping incomplete checkpoint {run / 'checkpoint-3'} (no trainer_state.json)" in err
