@@ -1,20 +1,25 @@
 """Target adapters: one object that knows how to run a target LLM for DFlash.
 
-It captures only the tapped decoder layers (forward hooks, no `output_hidden_states`), computes LM-head logits only
-where the caller needs them, embeds block tokens with the target's own (possibly scaled) embedding and applies the
-target's final-logit softcapping.
+It captures only the tapped decoder layers, through the forward call itself (Transformers' selective
+`output_hidden_states=[i + 1, ...]`, recorded per call in a context variable, so concurrent calls on one target never
+see each other's states), computes LM-head logits only where the caller needs them, embeds block tokens with the
+target's own (possibly scaled) embedding and applies the target's final-logit softcapping.
+
+Tap `i` is `hidden_states[i + 1]` in Transformers terms: the output of decoder layer `i`, and for the last layer the
+final normed hidden state (as in Transformers' native DFlash path).
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache
 
 from .modeling import DFlashDraftModel
@@ -37,6 +42,7 @@ def _supported_list() -> str:
 # identity check can never match a different tensor that reused the same memory.
 _PREPACKED: "OrderedDict[int, tuple[torch.Tensor, int, nn.Module]]" = OrderedDict()
 _PREPACKED_MAX = 4
+_PREPACKED_LOCK = threading.Lock()
 
 
 def _can_prepack(hidden_states: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -51,22 +57,41 @@ def _can_prepack(hidden_states: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _prepacked_linear(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`hidden_states @ weight.T` through a oneDNN-prepacked copy of `weight`, re-packed if the weight changed."""
-    entry = _PREPACKED.get(id(weight))
-    if entry is None or entry[0] is not weight or entry[1] != weight._version:
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-        linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
-        with warnings.catch_warnings():  # torch's MkldnnLinear is a ScriptModule: silence its deprecation notice
-            warnings.simplefilter("ignore", DeprecationWarning)
-            from torch.utils import mkldnn
+    with _PREPACKED_LOCK:  # concurrent generate calls share the table
+        entry = _PREPACKED.get(id(weight))
+        if entry is None or entry[0] is not weight or entry[1] != weight._version:
+            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+            linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+            with warnings.catch_warnings():  # torch's MkldnnLinear is a ScriptModule: silence its deprecation notice
+                warnings.simplefilter("ignore", DeprecationWarning)
+                from torch.utils import mkldnn
 
-            packed = mkldnn.to_mkldnn(linear)
-        entry = (weight, weight._version, packed)
-        _PREPACKED[id(weight)] = entry
-        while len(_PREPACKED) > _PREPACKED_MAX:
-            _PREPACKED.popitem(last=False)
-    _PREPACKED.move_to_end(id(weight))
+                packed = mkldnn.to_mkldnn(linear)
+            entry = (weight, weight._version, packed)
+            _PREPACKED[id(weight)] = entry
+            while len(_PREPACKED) > _PREPACKED_MAX:
+                _PREPACKED.popitem(last=False)
+        _PREPACKED.move_to_end(id(weight))
     flat = hidden_states.reshape(-1, hidden_states.shape[-1]).contiguous()
     return entry[2](flat).view(*hidden_states.shape[:-1], weight.shape[0])
+
+
+def _check_built_for(drafter_config: PreTrainedConfig, target: PreTrainedModel) -> None:
+    """Raise a `ValueError` naming both sides when the drafter records another target (layer count or model type)."""
+    config = target.config
+    layers, model_type = int(config.num_hidden_layers), getattr(config, "model_type", None)
+    built_layers = getattr(drafter_config, "num_target_layers", None)
+    built_type = getattr(drafter_config, "target_model_type", None)
+    if (built_layers is None or int(built_layers) == layers) and built_type in (None, model_type):
+        return
+    drafter_name = getattr(drafter_config, "name_or_path", "") or ""
+    target_name = getattr(config, "name_or_path", "") or ""
+    built = " ".join(filter(None, (f"{built_layers}-layer" if built_layers else "", built_type and f"`{built_type}`")))
+    raise ValueError(
+        f"This drafter{f' ({drafter_name})' if drafter_name else ''} was built for another target: a {built} "
+        f"target, but this target{f' ({target_name})' if target_name else ''} is a {layers}-layer `{model_type}`. "
+        "Use the drafter trained for this target, or this drafter's own target."
+    )
 
 
 @dataclass
@@ -80,7 +105,10 @@ class TargetStep:
 class TargetAdapter:
     """Runs a supported decoder-only target for DFlash drafting and verification."""
 
-    def __init__(self, target: PreTrainedModel, target_layer_ids: list[int]) -> None:
+    def __init__(
+        self, target: PreTrainedModel, target_layer_ids: list[int], built_for: PreTrainedConfig | None = None
+    ) -> None:
+        """`built_for`: the drafter's config, checked against the target before its layer ids are."""
         config = target.config
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_TARGET_TYPES:
@@ -88,6 +116,8 @@ class TargetAdapter:
                 f"Unsupported target architecture `{model_type}` ({type(target).__name__}). "
                 f"Supported targets: {_supported_list()}."
             )
+        if built_for is not None:
+            _check_built_for(built_for, target)
         self.target = target
         self.config = config
         self.base_model: nn.Module = target.get_decoder() if hasattr(target, "get_decoder") else target.model
@@ -103,10 +133,18 @@ class TargetAdapter:
                     f"target (valid ids: 0..{num_layers - 1})."
                 )
         self.target_layer_ids = list(target_layer_ids)
+        self._hidden_state_indices = [i + 1 for i in self.target_layer_ids]
         self._head_rows_key: tuple | None = None
         self._head_rows_cache: torch.Tensor | None = None
         params = inspect.signature(self.base_model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    @classmethod
+    def for_drafter(cls, target: PreTrainedModel, drafter: DFlashDraftModel) -> "TargetAdapter":
+        """The adapter tapping `drafter`'s layers of `target`, once the drafter is known to be built for it."""
+        adapter = cls(target, drafter.config.target_layer_ids, built_for=drafter.config)
+        adapter.check_drafter(drafter)
+        return adapter
 
     @property
     def num_layers(self) -> int:
@@ -123,6 +161,7 @@ class TargetAdapter:
     def check_drafter(self, drafter: DFlashDraftModel) -> None:
         """Raise a `ValueError` if `drafter` was not built for this target."""
         dconf = drafter.config
+        _check_built_for(dconf, self.target)
         if int(dconf.hidden_size) != self.hidden_size:
             raise ValueError(
                 f"Drafter hidden size {dconf.hidden_size} does not match the target's {self.hidden_size}: a DFlash "
@@ -178,26 +217,19 @@ class TargetAdapter:
         position_ids: torch.LongTensor,
         cache: Cache,
     ) -> TargetStep:
-        """Run the base decoder on `input_ids`, appending to `cache`, and return normed + tapped hidden states."""
-        captured: dict[int, torch.Tensor] = {}
+        """Run the base decoder on `input_ids`, appending to `cache`, and return normed + tapped hidden states.
 
-        def make_hook(layer_id: int):
-            def hook(_module, _inputs, output):
-                captured[layer_id] = output[0] if isinstance(output, tuple) else output
-
-            return hook
-
-        handles = [self.layers[i].register_forward_hook(make_hook(i)) for i in self.target_layer_ids]
-        try:
-            outputs = self.base_model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=True,
-                **{self._cache_kwarg: cache},
-            )
-        finally:
-            for handle in handles:
-                handle.remove()
-        tapped = torch.cat([captured[i] for i in self.target_layer_ids], dim=-1)
+        Only the tapped layers' outputs are kept (selective `output_hidden_states`); nothing is registered on the
+        target's modules, so concurrent calls on a shared target are independent.
+        """
+        outputs = self.base_model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            output_hidden_states=self._hidden_state_indices,
+            **{self._cache_kwarg: cache},
+        )
+        hidden_states = outputs.hidden_states
+        tapped = torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
         return TargetStep(last_hidden_state=outputs.last_hidden_state, tapped_hidden_states=tapped)

@@ -10,6 +10,7 @@ size is lossless: the policy only changes speed.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Protocol
 
 
@@ -128,6 +129,8 @@ def make_block_size_policy(block_size: int | str | BlockSizePolicy | None, train
         return AdaptiveBlockSize(trained_block_size)
     if hasattr(block_size, "next_block_size") and hasattr(block_size, "observe"):
         return block_size
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
+        raise ValueError(f"block_size must be an int, 'adaptive' or a BlockSizePolicy, got {block_size!r}.")
     size = int(block_size)
     if size < 2:
         raise ValueError(f"block_size must be >= 2 (anchor + at least one drafted token), got {size}.")

@@ -1,7 +1,8 @@
 """`dflash-hf` command line: one sub-command per module in `dflash_hf.commands`.
 
 Every sub-command module exposes `register(subparsers)`, which adds its parser and sets `func` (a callable taking
-the parsed arguments and returning an exit code). Bad input ends with one `error: ...` line and exit code 2.
+the parsed arguments and returning an exit code). Bad input (a `ValueError`, or an `OSError` for a missing or
+unreadable file) ends with one `error: ...` line and exit code 2.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError, PermissionError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (ValueError, OSError) as err:  # bad input, missing or unreadable files: one line, no traceback
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

@@ -333,6 +333,15 @@ def regenerate(target, tokenizer, prompts: list[list[int]], max_new_tokens: int)
 
 
 # ------------------------------------------------------------------ work folder
+def check_output_folder(path: str | os.PathLike, flag: str = "--out") -> None:
+    """Raise a `ValueError` when `path`, or the nearest part of it that exists, is not a folder."""
+    existing = Path(path)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {path}: {existing} is a file, not a folder; pass a folder to create or resume.")
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
@@ -424,6 +433,7 @@ def make_data(
         raise ValueError(f"max_samples must be >= 1, got {max_samples}.")
     if use_chat_template is None:
         use_chat_template = bool(getattr(tokenizer, "chat_template", None))
+    check_output_folder(out_dir)
     train, held, counts = load_prompts(source, held_out_fraction, seed)
     out = Path(out_dir)
     (out / "parts").mkdir(parents=True, exist_ok=True)

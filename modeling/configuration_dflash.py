@@ -6,6 +6,8 @@ file, ``torch``), never ``dflash_hf``.
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 from transformers.configuration_utils import PreTrainedConfig
@@ -229,6 +231,15 @@ class DFlashConfig(PreTrainedConfig):
         The official layout is a Qwen3-style config with `architectures: ["DFlashDraftModel"]`,
         `dflash_config: {"mask_token_id", "target_layer_ids"}` and `block_size` at the top level or in `dflash_config`.
         """
+        config_file = os.path.join(str(pretrained_model_name_or_path), kwargs.get("subfolder") or "", "config.json")
+        if os.path.isfile(config_file):  # a local folder: a broken config.json gets a ValueError naming the file
+            try:
+                with open(config_file, encoding="utf-8") as handle:
+                    json.load(handle)
+            except ValueError as err:
+                raise ValueError(
+                    f"{config_file} is not valid JSON ({err}): restore the drafter's config.json or re-export it."
+                ) from err
         config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
         return cls._dflash_config_dict(config_dict), kwargs
 

@@ -10,6 +10,11 @@ format instead, so a checkpoint folder holds only safetensors and JSON:
   `rng_state_{rank}.*` per process in distributed runs (the Trainer's naming);
 - training arguments: `training_args.json` (`TrainingArguments.to_json_string`).
 
+A checkpoint is written under a hidden staging name (`.checkpoint-N.partial`) and renamed to `checkpoint-N` once
+complete, and old checkpoints are moved aside before they are deleted, so a kill never leaves a `checkpoint-N` that
+looks complete but is not. [`last_complete_checkpoint`] finds the newest complete one (a folder written otherwise,
+e.g. by an older version, counts only with its weights and a readable `trainer_state.json`, the Trainer's last file).
+
 A state object (a `state_dict()`, an RNG snapshot) is stored as a JSON tree in which every tensor or numpy array is
 a reference into a flat safetensors file (keys are the tree paths, e.g. `optimizer.state.0.exp_avg`); tuples and
 dicts with integer keys (optimizer state is keyed by parameter index) are tagged so that they read back as they were
@@ -22,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +35,18 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import TrainingArguments
+from transformers.trainer_callback import TrainerState
 from transformers.trainer_pt_utils import set_rng_state_for_device
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
+
+from dflash_hf.fileio import discard, set_ordinary_mode
 
 OPTIMIZER_NAME = "optimizer"
 SCHEDULER_NAME = "scheduler"
 SCALER_NAME = "scaler"
 TRAINING_ARGS_NAME = "training_args.json"
+TRAINER_STATE_NAME = "trainer_state.json"
+STAGING_SUFFIX = ".partial"
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle")
 
 _TENSOR, _ARRAY, _TUPLE, _INT_KEYS = "__tensor__", "__ndarray__", "__tuple__", "__int_keys__"
@@ -90,6 +102,7 @@ def save_state(state: Any, folder: str | os.PathLike, name: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     if tensors:
         save_file(tensors, str(folder / f"{name}.safetensors"), metadata={"format": "pt"})
+        set_ordinary_mode(folder / f"{name}.safetensors")
     (folder / f"{name}.json").write_text(json.dumps(tree), encoding="utf-8")
 
 
@@ -147,3 +160,75 @@ def restore_rng_state(state: dict[str, Any], distributed: bool) -> None:
 def save_training_args(args: TrainingArguments, folder: str | os.PathLike) -> None:
     """Write the training arguments as `folder/training_args.json` (instead of the pickled `training_args.bin`)."""
     Path(folder, TRAINING_ARGS_NAME).write_text(args.to_json_string(), encoding="utf-8")
+
+
+def staging_folder(run_dir: str | os.PathLike, step: int) -> Path:
+    """Hidden folder in which `checkpoint-{step}` is written before it is renamed into place."""
+    return Path(run_dir, f".{PREFIX_CHECKPOINT_DIR}-{step}{STAGING_SUFFIX}")
+
+
+def remove_leftovers(run_dir: str | os.PathLike) -> None:
+    """Delete what a killed save or rotation left behind: hidden `.checkpoint-*` staging and stale folders."""
+    for leftover in Path(run_dir).glob(f".{PREFIX_CHECKPOINT_DIR}-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def publish_checkpoint(written: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Rename the complete checkpoint folder `written` to `final` (replacing an older folder of that name)."""
+    discard(final)
+    os.replace(written, final)
+
+
+def rotate_checkpoints(run_dir: str | os.PathLike, save_total_limit: int | None, best: str | None) -> None:
+    """Delete the oldest `checkpoint-N` beyond `save_total_limit`, never the newest nor `best` (the Trainer's rule),
+    each moved aside first so that a kill never leaves a half-deleted `checkpoint-N`."""
+    checkpoints = [Path(path) for path in sort_checkpoints(str(run_dir))]
+    if not save_total_limit or save_total_limit <= 0 or not checkpoints:
+        return
+    protected = {checkpoints[-1]} | ({Path(best)} if best else set())
+    remaining, keep = len(checkpoints), max(save_total_limit, len(protected))
+    for path in checkpoints:
+        if remaining <= keep:
+            break
+        if path not in protected:
+            discard(path)
+            remaining -= 1
+
+
+def checkpoint_problem(folder: str | os.PathLike) -> str | None:
+    """Why `folder` is not a complete checkpoint (no weights, no readable trainer state), or `None` when it is."""
+    folder = Path(folder)
+    if not (folder / "model.safetensors").is_file():
+        return "no model.safetensors"
+    try:
+        TrainerState.load_from_json(str(folder / TRAINER_STATE_NAME))
+    except FileNotFoundError:
+        return f"no {TRAINER_STATE_NAME}"
+    except (OSError, ValueError, TypeError):
+        return f"unreadable {TRAINER_STATE_NAME}"
+    return None
+
+
+def last_complete_checkpoint(run_dir: str | os.PathLike) -> tuple[str | None, list[str]]:
+    """The newest complete `checkpoint-N` in `run_dir` (or `None`) and the newer incomplete ones it skipped."""
+    skipped = []
+    for path in reversed(sort_checkpoints(str(run_dir)) if Path(run_dir).is_dir() else []):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, skipped
+        skipped.append(f"{path} ({problem})")
+    return None, skipped
+
+
+def check_complete_checkpoint(folder: str | os.PathLike) -> None:
+    """Raise a `ValueError` pointing to the newest complete checkpoint when `folder` is incomplete."""
+    problem = checkpoint_problem(folder)
+    if problem is None:
+        return
+    previous, _ = last_complete_checkpoint(Path(folder).parent)
+    hint = (
+        f"resume from {previous} (the newest complete checkpoint, which `--resume_from_checkpoint last` picks)"
+        if previous
+        else "no complete checkpoint is left next to it: start a new run"
+    )
+    raise ValueError(f"Checkpoint {folder} is incomplete ({problem}; its save was interrupted): {hint}.")

@@ -47,18 +47,26 @@ from transformers.training_args import ParallelMode
 from transformers.utils import logging
 
 from dflash_hf.adapters import TargetAdapter
+from dflash_hf.fileio import set_ordinary_mode
 
 from .checkpoint_io import (
     OPTIMIZER_NAME,
     SCALER_NAME,
     SCHEDULER_NAME,
+    TRAINER_STATE_NAME,
     capture_rng_state,
+    check_complete_checkpoint,
+    last_complete_checkpoint,
     load_state,
+    publish_checkpoint,
     refuse_pickle_checkpoint,
+    remove_leftovers,
     restore_rng_state,
     rng_state_name,
+    rotate_checkpoints,
     save_state,
     save_training_args,
+    staging_folder,
 )
 from .config import DFlashTrainingConfig
 from .initialisation import initialise_from_target
@@ -220,8 +228,7 @@ class DFlashTrainer(Trainer):
         self.target = target
         self.target.requires_grad_(False)
         self.target.eval()
-        self.adapter = TargetAdapter(target, list(model.config.target_layer_ids))
-        self.adapter.check_drafter(model)
+        self.adapter = TargetAdapter.for_drafter(target, model)
         self.block_size = int(model.config.block_size)
         self.mask_token_id = int(model.config.mask_token_id)
         self.loss_decay_gamma = float(args.loss_decay_gamma)
@@ -465,6 +472,49 @@ class DFlashTrainer(Trainer):
         super().log(logs, start_time)
 
     # ---------------------------------------------------------------- pickle-free checkpoints (checkpoint_io)
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """`Trainer.train`; `resume_from_checkpoint=True` picks the newest *complete* checkpoint of the run."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint, skipped = last_complete_checkpoint(self.args.output_dir)
+            for folder in skipped:
+                logger.warning(f"Skipping incomplete checkpoint {folder}.")
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No complete checkpoint found in {self.args.output_dir} to resume from.")
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _get_output_dir(self, trial) -> str:
+        """The run folder; while a checkpoint is written, its hidden staging folder (see `_save_checkpoint`)."""
+        staging = getattr(self, "_checkpoint_staging", None)
+        return str(staging) if staging is not None else super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's checkpoint, written in a hidden staging folder and renamed to `checkpoint-N` once complete.
+
+        A kill mid-save never leaves a `checkpoint-N` that looks complete (the next save clears the leftovers), and
+        checkpoints beyond `save_total_limit` are moved aside before they are deleted.
+        """
+        run_dir = super()._get_output_dir(trial)
+        name = f"checkpoint-{self.state.global_step}"
+        staging = staging_folder(run_dir, self.state.global_step)
+        if self.args.should_save:
+            remove_leftovers(run_dir)
+        self.accelerator.wait_for_everyone()
+        self._checkpoint_staging = staging
+        try:  # the Trainer writes `staging/checkpoint-N` (its rotation there has nothing to delete)
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._checkpoint_staging = None
+        self.accelerator.wait_for_everyone()  # every process has written its RNG state
+        if self.args.should_save:
+            final = os.path.join(run_dir, name)
+            if self.state.best_model_checkpoint == str(staging / name):  # this save is the best so far
+                self.state.best_model_checkpoint = final
+                self.state.save_to_json(str(staging / name / TRAINER_STATE_NAME))
+            publish_checkpoint(staging / name, final)
+            staging.rmdir()
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
+        self.accelerator.wait_for_everyone()
+
     def _save(self, output_dir: str | None = None, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Drafter weights (safetensors), config and tokenizer via `save_pretrained`; training arguments as JSON."""
         if not self.args.should_save:
@@ -476,6 +526,7 @@ class DFlashTrainer(Trainer):
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         save_training_args(self.args, output_dir)
+        set_ordinary_mode(output_dir)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Optimizer as safetensors + JSON, scheduler as JSON (main process, as the Trainer)."""
@@ -496,8 +547,9 @@ class DFlashTrainer(Trainer):
         save_state(capture_rng_state(distributed), output_dir, name)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
-        """Refuse a checkpoint holding pickles before the Trainer loads the (safetensors) weights."""
+        """Refuse a checkpoint holding pickles, or an incomplete one, before the Trainer loads the weights."""
         refuse_pickle_checkpoint(resume_from_checkpoint)
+        check_complete_checkpoint(resume_from_checkpoint)
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:

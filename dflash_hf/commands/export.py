@@ -51,7 +51,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("drafter", help="drafter checkpoint: local folder or Hub id (dflash-hf or official layout)")
     parser.add_argument("out_dir", type=Path, help="folder to create")
     parser.add_argument(
-        "--target", required=True, help="the target's Hub id or local folder (only its config is read)"
+        "--target",
+        required=True,
+        help="the target: named (smollm2-135m, gemma3-270m; its Hub id goes into the card), Hub id or local folder "
+        "(only its config is read)",
     )
     parser.add_argument(
         "--format",

@@ -16,12 +16,13 @@ from typing import TypeVar
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
 
-from ..generation import generate
+from ..generation import check_context_length, generate
 from ..modeling import DFlashConfig
 from ..targets import resolve_drafter_dir
 from . import add_model_arguments, available_cpus, load_models
 
 T = TypeVar("T")
+WARMUP_PROMPT_TOKENS = 16
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -124,10 +125,12 @@ def run(args: argparse.Namespace) -> int:
     target, tokenizer, drafter = load_models(args.target, drafter_dir, device)
     inputs = _encode(tokenizer, args.prompt, use_template=not args.no_chat_template)
     inputs = {key: value.to(device) for key, value in inputs.items()}
+    check_context_length(target, inputs["input_ids"].shape[1], args.max_new_tokens)  # before any forward
     common = dict(max_new_tokens=args.max_new_tokens, **sampling)
 
-    # one short untimed pass so that neither timed run pays for first-call set-up
-    generate(target, drafter, inputs["input_ids"], max_new_tokens=2, do_sample=False, block_size=args.block_size)
+    # one short untimed pass (a few prompt tokens) so that neither timed run pays for first-call set-up
+    warmup_ids = inputs["input_ids"][:, :WARMUP_PROMPT_TOKENS]
+    generate(target, drafter, warmup_ids, max_new_tokens=2, do_sample=False, block_size=args.block_size)
 
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     out, seconds = _timed(

@@ -33,10 +33,11 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_hf.data import load_target, make_data
+    from dflash_hf.data import check_output_folder, load_target, make_data
 
     if args.max_samples is not None and args.max_samples < 1:
         raise ValueError(f"--max-samples must be >= 1, got {args.max_samples}.")
+    check_output_folder(args.out)  # before the (slow) target load
     target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
     manifest = make_data(
         target,

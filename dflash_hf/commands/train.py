@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,18 +40,13 @@ class DFlashScriptArguments:
     )
 
 
-# Hub ids of the named offline targets (`dflash_hf.targets`), for the exported card's `base_model`.
-NAMED_TARGET_HUB_IDS = {
-    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
-    "gemma3-270m": "google/gemma-3-270m",
-}
-
-
 def _base_model(script: "DFlashScriptArguments") -> str | None:
+    from dflash_hf.targets import TARGETS
+
     if script.base_model:
         return script.base_model
-    if script.target in NAMED_TARGET_HUB_IDS:
-        return NAMED_TARGET_HUB_IDS[script.target]
+    if script.target in TARGETS:
+        return TARGETS[script.target].hub_id
     if not os.path.exists(script.target) and script.target.count("/") == 1:
         return script.target
     raise ValueError(
@@ -92,20 +88,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _resolve_resume(value, output_dir: str):
-    from transformers.trainer_utils import get_last_checkpoint
+    """The checkpoint to resume from: `last` is the newest *complete* `checkpoint-N` (incomplete ones are named)."""
+    from dflash_hf.trainers.checkpoint_io import check_complete_checkpoint, last_complete_checkpoint
 
     if value is None or value is False:
         return None
     if value is True or str(value).lower() in ("last", "latest", "true", "auto"):
-        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        last, skipped = last_complete_checkpoint(output_dir)
+        for folder in skipped:
+            print(f"skipping incomplete checkpoint {folder}", file=sys.stderr)
         if last is None and str(value).lower() != "auto":
             raise ValueError(
-                f"--resume_from_checkpoint {value}: no checkpoint-* folder in {output_dir}; drop the flag to start "
-                "a new run (or use 'auto' to resume only when a checkpoint exists)."
+                f"--resume_from_checkpoint {value}: no complete checkpoint-* folder in {output_dir}; drop the flag to "
+                "start a new run (or use 'auto' to resume only when a checkpoint exists)."
             )
         return last
     if not os.path.isdir(value):
         raise ValueError(f"--resume_from_checkpoint {value!r} is not a checkpoint folder.")
+    check_complete_checkpoint(value)
     return value
 
 

@@ -288,7 +288,8 @@ class DFlashPreTrainedModel(PreTrainedModel):
           `AutoModel` passes in, is mapped onto [`DFlashConfig`] (see `DFlashConfig.get_config_dict`);
         * weights are read from safetensors only: a folder holding only pickled weights (`pytorch_model.bin`) is
           refused without the pickle ever being opened;
-        * missing, unexpected or wrongly shaped tensors raise a `ValueError` instead of being silently re-initialised.
+        * missing, unexpected or wrongly shaped tensors raise a `ValueError` instead of being silently re-initialised,
+          and so do a truncated or corrupt weights file and an invalid `config.json`.
         """
         if kwargs.get("use_safetensors") is False:
             raise ValueError("DFlash drafters load from safetensors only; drop `use_safetensors=False`.")
@@ -307,7 +308,17 @@ class DFlashPreTrainedModel(PreTrainedModel):
             config = cls.config_class.from_dict(config.to_dict())
         return_loading_info = kwargs.pop("output_loading_info", False)
         kwargs.update(use_safetensors=True, ignore_mismatched_sizes=True, output_loading_info=True)
-        model, loading_info = super().from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
+        try:
+            model, loading_info = super().from_pretrained(
+                pretrained_model_name_or_path, *model_args, config=config, **kwargs
+            )
+        except Exception as err:  # safetensors' own error type, matched by name: this file imports only transformers
+            if type(err).__name__ != "SafetensorError":
+                raise
+            raise ValueError(
+                f"The weights in {pretrained_model_name_or_path} are not a readable safetensors file ({err}): the file "
+                "is truncated or corrupt; download or re-export the drafter."
+            ) from err
         problems = []
         if loading_info["missing_keys"]:
             problems.append(f"missing tensors {sorted(loading_info['missing_keys'])}")
@@ -434,7 +445,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         r"""
         Args:
             noise_embeds (`torch.Tensor` of shape `(batch, block, hidden_size)`):
-                Target-embedded block: the anchor (last committed token) followed by mask tokens.
+                Target-embedded block: the anchor (last committed token) followed by mask tokens. Inputs of any
+                floating dtype are cast to the drafter's; `last_hidden_state` comes back in `noise_embeds`' dtype.
             context_hidden_states (`torch.Tensor` of shape `(batch, n_ctx, len(target_layer_ids) * hidden_size)`, *optional*):
                 Tapped target hidden states of the committed tokens not yet in the cache, concatenated on the last dim.
             position_ids (`torch.LongTensor` of shape `(batch, n_ctx + block)`, *optional*):
@@ -488,7 +500,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 cache=cache,
                 **kwargs,
             )
-        hidden_states = self.norm(hidden_states)
+        # computed in the drafter's dtype, returned in the caller's (the target's LM head takes it next)
+        hidden_states = self.norm(hidden_states).to(noise_embeds.dtype)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{_OUTPUT_CACHE_FIELD: cache})
 
     def __getattr__(self, name: str):
