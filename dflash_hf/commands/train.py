@@ -147,7 +147,7 @@ def train(script: DFlashScriptArguments, config) -> dict:
         "train_loss": result.training_loss,
         "last_log": last,
         "wall_seconds": round(wall, 1),
-        "samples": len(data),
+        "samples": len(trainer.train_dataset),
         "world_size": trainer.args.world_size,
     }
     trainer.accelerator.wait_for_everyone()
@@ -156,7 +156,7 @@ def train(script: DFlashScriptArguments, config) -> dict:
         export_dir = script.export_dir or os.path.join(config.output_dir, "final")
         training_facts = {
             "data": manifest.get("source") if manifest else script.data,
-            "samples": len(data),
+            "samples": len(trainer.train_dataset),
             "steps": trainer.state.global_step,
             "epochs": config.num_train_epochs,
             "block_size": config.block_size,
