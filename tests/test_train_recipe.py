@@ -281,3 +281,13 @@ def test_a_saved_bf16_drafter_continues_training_in_fp32(tiny, tmp_path):
                          train_dataset=data, processing_class=tok)
     assert all(p.dtype == torch.float32 for p in warm.model.parameters())
     warm.train()
+
+
+@pytest.mark.parametrize("recipe", sorted((__import__("pathlib").Path(__file__).parents[1] / "examples" / "recipes")
+                                          .glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_recipes_parse(recipe):
+    """Every recipe under examples/recipes/ is a valid `dflash-hf train --config` file."""
+    from dflash_hf.commands.train import _trl_parser
+
+    script, config = _trl_parser().parse_args_and_config(["--config", str(recipe)])
+    assert script.target == "smollm2-135m" and config.block_size == 8
