@@ -9,7 +9,7 @@ from dflash_hf.trainers import DFlashDataCollator, DFlashTrainer, DFlashTraining
 from dflash_hf.trainers.initialisation import initialise_from_target
 from dflash_hf.trainers.masks import valid_anchor_positions
 from dflash_hf.trainers.optimizers import MuonWithAdamW
-from test_train_helpers import make_tiny_target, make_tokenizer, one_thread, write_prompts
+from test_train_helpers import make_tiny_target, make_tokenizer, one_thread, tiny_train_config, write_prompts
 
 from dflash_hf.adapters import TargetAdapter
 from dflash_hf.data import load_training_data, make_data
@@ -33,14 +33,7 @@ def tiny(tmp_path_factory):
         return target, tok, load_training_data(root / "data")
 
 
-def config(tmp_path, **kw):
-    base = dict(
-        output_dir=str(tmp_path), block_size=4, num_anchors=8, num_draft_layers=2, num_target_features=2,
-        per_device_train_batch_size=3, learning_rate=1e-3, use_cpu=True, report_to="none", disable_tqdm=True,
-        logging_steps=1, save_strategy="no", seed=0,
-    )
-    base.update(kw)
-    return DFlashTrainingConfig(**base)
+config = tiny_train_config
 
 
 def full_batch(data):
