@@ -177,6 +177,8 @@ class DFlashTrainer(Trainer):
                 f"args must be a DFlashTrainingConfig, got {type(args).__name__}: build it with "
                 "`DFlashTrainingConfig(output_dir=..., ...)`."
             )
+        # long because it resolves, in order, what `Trainer.__init__` needs resolved first (drafter, target, datasets
+        # and cached features, collator, attention backend); splitting it would scatter that order
         if target is None:
             raise ValueError(
                 "DFlashTrainer needs the frozen `target` model: the drafter is conditioned on its hidden states and "
@@ -330,6 +332,8 @@ class DFlashTrainer(Trainer):
 
         `anchors=(anchors, anchor_valid)` overrides the random sampling (tests, reproducible evaluation).
         """
+        # one pass in the recipe's order (features, anchors, blocks, drafter forward, loss, statistics): each step's
+        # tensors feed the next, so helpers would take and return most of them
         input_ids = inputs["input_ids"]
         loss_mask = inputs["loss_mask"]
         attention_mask = inputs.get("attention_mask")

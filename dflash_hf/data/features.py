@@ -153,6 +153,7 @@ def cache_features(
     Resumable: rows already indexed in `out_dir` are skipped, and a dataset that only grew at the end is extended
     (stored rows are checked against it first). Returns the index.
     """
+    # one function because the shard bookkeeping (`flush`) shares the loop's pending rows
     from ..engine.adapters import TargetAdapter
 
     if max_length < 2:
