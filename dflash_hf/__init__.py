@@ -8,11 +8,11 @@
 
 from transformers import AutoConfig, AutoModel
 
-from .adapters import SUPPORTED_TARGET_TYPES, TargetAdapter
-from .block_size import AdaptiveBlockSize, BlockSizePolicy, FixedBlockSize
-from .export import export
-from .generation import DFlashGenerateOutput, custom_generate, generate
-from .hub import push_to_hub, validate_hub_folder
+from .engine.adapters import SUPPORTED_TARGET_TYPES, TargetAdapter
+from .engine.block_size import AdaptiveBlockSize, BlockSizePolicy, FixedBlockSize
+from .engine.generation import DFlashGenerateOutput, custom_generate, generate
+from .hub.export import export
+from .hub.push import push_to_hub, validate_hub_folder
 from .modeling import DFlashConfig, DFlashDraftModel, DFlashPreTrainedModel, default_target_layer_ids
 
 __version__ = "0.1.0"

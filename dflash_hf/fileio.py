@@ -5,7 +5,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+
+# pickled weight files: never written, uploaded or opened (the drafter's remote code keeps its own list: it must run
+# without this package)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 
 def _umask() -> int:
@@ -35,3 +40,22 @@ def discard(path: str | os.PathLike) -> None:
     trash = Path(tempfile.mkdtemp(prefix=f".{path.name}.stale-", dir=path.parent))
     path.rename(trash / path.name)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
+    """Write the file `path` through its hidden sibling `.NAME.tmp`: `write(temporary)` fills it, it is flushed to
+    disk and renamed into place, so `path` is either absent, the old file or the complete new one."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        write(temporary)
+        with open(temporary, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """[`atomic_write`] of a UTF-8 text file."""
+    atomic_write(path, lambda temporary: temporary.write_text(text, encoding="utf-8"))

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from tqdm.auto import tqdm
 from transformers import (
     AutoModelForCausalLM,
@@ -48,6 +49,7 @@ from transformers import (
 )
 
 from .fileio import discard, set_ordinary_mode
+from .runtime import resolve_dtype
 
 CACHE_ENV = "DFLASH_HF_CACHE"
 MARKER_FILE = "dflash_hf_cache.json"
@@ -336,24 +338,44 @@ def resolve_target_dir(name: str, rebuild: bool = False) -> Path:
     return final
 
 
+def token_ids(*values: int | list[int] | tuple[int, ...] | torch.Tensor | None) -> list[int]:
+    """Every distinct token id among `values` (each an id, a list of ids or `None`), in order."""
+    ids: list[int] = []
+    for value in values:
+        for token_id in value if isinstance(value, (list, tuple)) else [value]:
+            if token_id is not None and int(token_id) not in ids:
+                ids.append(int(token_id))
+    return ids
+
+
+def first_token_id(*values: int | list[int] | tuple[int, ...] | torch.Tensor | None) -> int | None:
+    """The first token id among `values` (the pad-id fallback chain: pad token, else EOS), or `None`."""
+    ids = token_ids(*values)
+    return ids[0] if ids else None
+
+
+def is_hub_id(name: str | os.PathLike) -> bool:
+    """Whether `name` is no local path and a valid Hub model id of the form `org/name`."""
+    name = os.fspath(name)
+    if Path(name).exists() or name.count("/") != 1 or name.startswith((".", "/", "~")):
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
 def configure_generation(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
     """Make `model.generation_config` usable as is: every EOS id the model or tokenizer declares, and a pad id.
 
     The pad id is the tokenizer's pad token, else the first EOS id; the tokenizer gets the same pad token.
     """
     generation_config = model.generation_config
-    eos_ids: list[int] = []
-    for value in (generation_config.eos_token_id, model.config.eos_token_id, tokenizer.eos_token_id):
-        for token_id in value if isinstance(value, (list, tuple)) else [value]:
-            if token_id is not None and int(token_id) not in eos_ids:
-                eos_ids.append(int(token_id))
+    eos_ids = token_ids(generation_config.eos_token_id, model.config.eos_token_id, tokenizer.eos_token_id)
     if eos_ids:
         generation_config.eos_token_id = eos_ids[0] if len(eos_ids) == 1 else eos_ids
-    pad_id = tokenizer.pad_token_id
-    if pad_id is None:
-        pad_id = generation_config.pad_token_id
-    if pad_id is None and eos_ids:
-        pad_id = eos_ids[0]
+    pad_id = first_token_id(tokenizer.pad_token_id, generation_config.pad_token_id, eos_ids)
     if pad_id is not None:
         generation_config.pad_token_id = int(pad_id)
         if tokenizer.pad_token_id is None:
@@ -364,7 +386,7 @@ def configure_generation(model: PreTrainedModel, tokenizer: PreTrainedTokenizerB
 
 def load_target(
     name_or_path: str | os.PathLike,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     device: str | torch.device | None = None,
     rebuild: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -373,7 +395,8 @@ def load_target(
     Args:
         name_or_path: A named target (see [`TARGETS`]: `smollm2-135m`, `gemma3-270m`), a local model folder or a
             Hub id.
-        dtype: Parameter dtype (the named targets are cached in float32).
+        dtype: Parameter dtype (the named targets are cached in float32), or its name for [`resolve_dtype`]
+            (`auto`: bfloat16 on CUDA, float32 elsewhere).
         device: Where to put the model (default: CPU).
         rebuild: For a named target, rebuild its cache first.
 
@@ -385,13 +408,13 @@ def load_target(
         source = os.fspath(resolve_target_dir(source, rebuild=rebuild))
     elif rebuild:
         raise ValueError(f"`rebuild` only applies to the named targets ({', '.join(TARGETS)}), not to {source!r}.")
-    elif not Path(source).is_dir() and (source.count("/") != 1 or source.startswith((".", "/", "~"))):
+    elif not Path(source).is_dir() and not is_hub_id(source):
         raise ValueError(
             f"Target {source!r} is neither a named target ({', '.join(TARGETS)}), nor an existing folder, nor a Hub "
             "id of the form `org/name`."
         )
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, device))
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:
         raise ValueError(f"Could not load target {source!r}: {err}".replace("\n", " ")) from err

@@ -17,16 +17,8 @@ from typing import Any
 
 from huggingface_hub import ModelCardData
 
-# target `model_type` -> family part (`family_<name>.md`), also used as a Hub tag
-TARGET_FAMILIES: dict[str, str] = {
-    "qwen2": "qwen",
-    "qwen3": "qwen",
-    "llama": "llama",
-    "gemma": "gemma",
-    "gemma2": "gemma",
-    "gemma3": "gemma",
-    "gemma3_text": "gemma",
-}
+from dflash_hf.engine.adapters import TARGET_FAMILIES  # target `model_type` -> family part (`family_<name>.md`)
+
 # every metric row must carry these; `benchmark`, `block_size` and `temperature` are optional columns
 REQUIRED_METRICS = ("tau", "speedup", "hardware", "date")
 OPTIONAL_METRICS = ("benchmark", "block_size", "temperature")

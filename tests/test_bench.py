@@ -242,7 +242,7 @@ def test_cli_end_to_end(folders, tmp_path, capsys):
 
 
 def test_cli_mismatch_exit_status(folders, tmp_path, capsys, monkeypatch):
-    original = bench._engine_runner
+    original = bench.methods._engine_runner
 
     def tampering_runner(target, drafter, block_size):
         run = original(target, drafter, block_size)
@@ -254,7 +254,7 @@ def test_cli_mismatch_exit_status(folders, tmp_path, capsys, monkeypatch):
 
         return tampered
 
-    monkeypatch.setattr(bench, "_engine_runner", tampering_runner)
+    monkeypatch.setattr(bench.methods, "_engine_runner", tampering_runner)
     assert cli.main(_bench_args(folders, tmp_path / "a")) == 1
     err = capsys.readouterr().err
     assert "MISMATCH: dflash_b4 differs from greedy on prompt 0" in err and "--allow-mismatch" in err

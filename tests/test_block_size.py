@@ -9,7 +9,7 @@ import torch
 from conftest import make_oracle, make_target
 
 import dflash_hf
-from dflash_hf.block_size import AdaptiveBlockSize, FixedBlockSize, make_block_size_policy
+from dflash_hf.engine.block_size import AdaptiveBlockSize, FixedBlockSize, make_block_size_policy
 
 
 def _run(policy: AdaptiveBlockSize, accept_drafts, cost, cycles: int = 40) -> list[int]:

@@ -15,7 +15,7 @@ from test_cli_generate import COMPARE
 
 import dflash_hf
 from dflash_hf import cli, targets
-from dflash_hf.data import encode_prompt
+from dflash_hf.data.prompts import encode_prompt
 
 BUNDLED = targets.bundled_drafter_dir("smollm2-135m")
 PROMPTS = ["Write a Python function that checks whether a number is prime.", "Name three uses of copper."]

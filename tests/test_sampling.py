@@ -14,7 +14,7 @@ from transformers.generation.logits_process import (
 )
 
 import dflash_hf
-import dflash_hf.generation as generation
+import dflash_hf.engine.generation as generation
 from dflash_hf import DFlashConfig, DFlashDraftModel
 
 VOCAB = 8

@@ -7,7 +7,8 @@ from dflash_hf.trainers import DFlashTrainer, DFlashTrainingConfig
 from test_train_helpers import PROMPTS, make_tiny_target, make_tokenizer, one_thread, write_prompts
 
 from dflash_hf import DFlashDraftModel, generate
-from dflash_hf.data import encode_prompt, load_training_data, make_data
+from dflash_hf.data.make import load_training_data, make_data
+from dflash_hf.data.prompts import encode_prompt
 
 BLOCK = 8
 NEW_TOKENS = 40

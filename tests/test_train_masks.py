@@ -1,4 +1,4 @@
-"""Training conventions of DESIGN.md §4: anchors, the sparse mask, same-position labels, loss weights."""
+"""Training conventions of docs/design.md §3: anchors, the sparse mask, same-position labels, loss weights."""
 
 from __future__ import annotations
 

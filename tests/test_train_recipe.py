@@ -11,9 +11,9 @@ from dflash_hf.trainers.masks import valid_anchor_positions
 from dflash_hf.trainers.optimizers import MuonWithAdamW
 from test_train_helpers import make_tiny_target, make_tokenizer, one_thread, tiny_train_config, write_prompts
 
-from dflash_hf.adapters import TargetAdapter
-from dflash_hf.data import load_training_data, make_data
-from dflash_hf.features import OfflineFeatureDataset, cache_features
+from dflash_hf.data.features import OfflineFeatureDataset, cache_features
+from dflash_hf.data.make import load_training_data, make_data
+from dflash_hf.engine.adapters import TargetAdapter
 
 
 @pytest.fixture(autouse=True)
@@ -247,7 +247,7 @@ def test_train_command_reads_a_yaml_recipe_and_flags_override_it(tiny, tmp_path)
     target, tok, _ = tiny
     target.save_pretrained(tmp_path / "target")
     tok.save_pretrained(tmp_path / "target")
-    from dflash_hf.data import make_data
+    from dflash_hf.data.make import make_data
 
     make_data(target, tok, tmp_path / "data", source=str(write_prompts(tmp_path / "p.jsonl")), max_new_tokens=12,
               held_out_fraction=0.0, progress=False)

@@ -20,8 +20,8 @@ from test_train_helpers import (
     write_prompts,
 )
 
-from dflash_hf.data import load_training_data, make_data
-from dflash_hf.features import OfflineFeatureDataset, cache_features, read_index
+from dflash_hf.data.features import OfflineFeatureDataset, cache_features, read_index
+from dflash_hf.data.make import load_training_data, make_data
 
 
 @pytest.fixture(autouse=True)
@@ -126,7 +126,7 @@ def test_offline_features_match_online(tiny, tmp_path):
 
 def test_cache_features_resumes(tiny, tmp_path, monkeypatch):
     target, _, data, _ = tiny
-    import dflash_hf.features as features
+    import dflash_hf.data.features as features
 
     calls = {"n": 0}
     real = features.save_file

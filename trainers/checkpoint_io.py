@@ -39,7 +39,7 @@ from transformers.trainer_callback import TrainerState
 from transformers.trainer_pt_utils import set_rng_state_for_device
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
-from dflash_hf.fileio import discard, set_ordinary_mode
+from dflash_hf.fileio import PICKLE_SUFFIXES, discard, set_ordinary_mode
 
 OPTIMIZER_NAME = "optimizer"
 SCHEDULER_NAME = "scheduler"
@@ -47,7 +47,6 @@ SCALER_NAME = "scaler"
 TRAINING_ARGS_NAME = "training_args.json"
 TRAINER_STATE_NAME = "trainer_state.json"
 STAGING_SUFFIX = ".partial"
-PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle")
 
 _TENSOR, _ARRAY, _TUPLE, _INT_KEYS = "__tensor__", "__ndarray__", "__tuple__", "__int_keys__"
 

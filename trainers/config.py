@@ -33,7 +33,7 @@ class DFlashTrainingConfig(TrainingArguments):
             size: 7 for B=16, 5 for B=10, 4 for B=8 (see `default_loss_decay_gamma` for other sizes).
         num_draft_layers (`int`, defaults to `5`): Decoder layers of a new drafter.
         target_layer_ids (`list[int]`, *optional*): Target layers tapped for the context feature; by default
-            `num_target_features` layers spread over the target (DESIGN.md §2).
+            `num_target_features` layers spread over the target (docs/design.md §1).
         num_target_features (`int`, defaults to `5`): Number of taps when `target_layer_ids` is not given.
         mask_token_id (`int`, *optional*): Embedding row used for masked slots; by default the first row past the
             tokenizer's ids, else the last row (`DFlashConfig.from_target`).

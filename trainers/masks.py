@@ -1,4 +1,4 @@
-"""Training-time tensors of the DFlash recipe (DESIGN.md §4): anchors, the sparse block mask, labels and weights.
+"""Training-time tensors of the DFlash recipe (docs/design.md §3): anchors, the sparse block mask, labels and weights.
 
 Conventions (the two published DFlash training bugs are the shifted-by-one label and `context <= anchor`):
 

@@ -1,4 +1,4 @@
-"""`DFlashTrainer`: trains a DFlash drafter against a frozen target (DESIGN.md §4).
+"""`DFlashTrainer`: trains a DFlash drafter against a frozen target (docs/design.md §3).
 
 Why `transformers.Trainer` and not a TRL trainer: no TRL trainer fits. `SFTTrainer` (the closest) assumes the
 trained model is a causal LM that embeds its own inputs and computes its own logits from `labels`, and it prepares
@@ -46,8 +46,10 @@ from transformers.cache_utils import DynamicCache
 from transformers.training_args import ParallelMode
 from transformers.utils import logging
 
-from dflash_hf.adapters import TargetAdapter
+from dflash_hf.data.batching import pad
+from dflash_hf.engine.adapters import TargetAdapter
 from dflash_hf.fileio import set_ordinary_mode
+from dflash_hf.targets import first_token_id
 
 from .checkpoint_io import (
     OPTIMIZER_NAME,
@@ -70,7 +72,6 @@ from .checkpoint_io import (
 )
 from .config import DFlashTrainingConfig
 from .initialisation import initialise_from_target
-from .optimizers import MuonWithAdamW
 from .masks import (
     block_attention_mask,
     build_blocks,
@@ -78,6 +79,7 @@ from .masks import (
     implied_acceptance_length,
     sample_anchors,
 )
+from .optimizers import MuonWithAdamW
 from .vocabulary import frequent_response_tokens
 
 logger = logging.get_logger(__name__)
@@ -107,25 +109,19 @@ class DFlashDataCollator:
         for t, m in zip(ids, masks):
             if t.shape != m.shape:
                 raise ValueError(f"input_ids ({t.numel()}) and loss_mask ({m.numel()}) lengths differ in a row.")
-        length = max(t.numel() for t in ids)
         batch = {
-            "input_ids": torch.full((len(ids), length), self.pad_token_id, dtype=torch.long),
-            "loss_mask": torch.zeros(len(ids), length, dtype=torch.long),
-            "attention_mask": torch.zeros(len(ids), length, dtype=torch.long),
+            "input_ids": pad(ids, self.pad_token_id),
+            "loss_mask": pad(masks, 0),
+            "attention_mask": pad([torch.ones_like(t) for t in ids], 0),
         }
-        for row, (t, m) in enumerate(zip(ids, masks)):
-            batch["input_ids"][row, : t.numel()] = t
-            batch["loss_mask"][row, : t.numel()] = m
-            batch["attention_mask"][row, : t.numel()] = 1
         for key in ("target_hidden", "target_final_hidden"):
             if key in features[0]:
-                batch[key] = _pad_cached(key, [torch.as_tensor(f[key]) for f in features], ids, length)
+                batch[key] = _pad_cached(key, [torch.as_tensor(f[key]) for f in features], ids)
         return batch
 
 
-def _pad_cached(key: str, hidden: list[torch.Tensor], ids: list[torch.Tensor], length: int) -> torch.Tensor:
-    """Right-pad per-token cached features `(n_i, width)` of each row to `(batch, length, width)`."""
-    padded = torch.zeros(len(hidden), length, hidden[0].shape[-1], dtype=hidden[0].dtype)
+def _pad_cached(key: str, hidden: list[torch.Tensor], ids: list[torch.Tensor]) -> torch.Tensor:
+    """Right-pad per-token cached features `(n_i, width)` of each row to `(batch, longest row, width)`."""
     for row, h in enumerate(hidden):
         if h.shape[0] < ids[row].numel():
             raise ValueError(
@@ -133,9 +129,7 @@ def _pad_cached(key: str, hidden: list[torch.Tensor], ids: list[torch.Tensor], l
                 "cached with a smaller max length; rerun `dflash-hf cache-features` with --max-length >= the "
                 "training max_length."
             )
-        n = min(h.shape[0], length, ids[row].numel())
-        padded[row, :n] = h[:n]
-    return padded
+    return pad([h[: row_ids.numel()] for h, row_ids in zip(hidden, ids)], 0)
 
 
 def _resolve_attention(backend: str, device: torch.device) -> str:
@@ -156,7 +150,7 @@ class DFlashTrainer(Trainer):
             shared embedding and the LM head.
         train_dataset / eval_dataset: Rows with `input_ids` and `loss_mask` (a `dflash-hf make-data` dataset), or,
             with `features="offline"`, a dataset whose rows also carry `target_hidden` (see
-            `dflash_hf.features.OfflineFeatureDataset`, built automatically from `features_dir`).
+            `dflash_hf.data.features.OfflineFeatureDataset`, built automatically from `features_dir`).
         processing_class: The target's tokenizer (for the pad id, the default mask id and the model card).
     """
 
@@ -183,6 +177,8 @@ class DFlashTrainer(Trainer):
                 f"args must be a DFlashTrainingConfig, got {type(args).__name__}: build it with "
                 "`DFlashTrainingConfig(output_dir=..., ...)`."
             )
+        # long because it resolves, in order, what `Trainer.__init__` needs resolved first (drafter, target, datasets
+        # and cached features, collator, attention backend); splitting it would scatter that order
         if target is None:
             raise ValueError(
                 "DFlashTrainer needs the frozen `target` model: the drafter is conditioned on its hidden states and "
@@ -241,7 +237,7 @@ class DFlashTrainer(Trainer):
             self.target_to_draft[self.draft_token_ids] = torch.arange(self.draft_token_ids.numel())
 
         if args.features == "offline":
-            from dflash_hf.features import OfflineFeatureDataset
+            from dflash_hf.data.features import OfflineFeatureDataset
 
             if train_dataset is not None and not isinstance(train_dataset, OfflineFeatureDataset):
                 train_dataset = OfflineFeatureDataset(train_dataset, args.features_dir, model.config.target_layer_ids)
@@ -255,10 +251,10 @@ class DFlashTrainer(Trainer):
             count = min(int(args.max_train_samples), len(train_dataset))
             train_dataset = torch.utils.data.Subset(train_dataset, range(count))
         if data_collator is None:
-            pad = getattr(processing_class, "pad_token_id", None)
-            if pad is None:
-                pad = getattr(processing_class, "eos_token_id", None)
-            data_collator = DFlashDataCollator(pad_token_id=pad or 0, max_length=args.max_length)
+            pad_id = first_token_id(
+                getattr(processing_class, "pad_token_id", None), getattr(processing_class, "eos_token_id", None)
+            )
+            data_collator = DFlashDataCollator(pad_token_id=pad_id or 0, max_length=args.max_length)
 
         super().__init__(
             model=model,
@@ -292,8 +288,8 @@ class DFlashTrainer(Trainer):
     # ---------------------------------------------------------------- helpers
     @staticmethod
     def _set_attention(model: PreTrainedModel, implementation: str) -> None:
-        # The drafter dispatches through `ALL_ATTENTION_FUNCTIONS[config._attn_implementation]` on every call.
-        model.config._attn_implementation = implementation
+        """Switch the drafter's attention backend (Transformers checks that the backend is available)."""
+        model.set_attn_implementation(implementation)
 
     def _zero_sums(self) -> dict[str, torch.Tensor]:
         device = self.args.device
@@ -336,6 +332,8 @@ class DFlashTrainer(Trainer):
 
         `anchors=(anchors, anchor_valid)` overrides the random sampling (tests, reproducible evaluation).
         """
+        # one pass in the recipe's order (features, anchors, blocks, drafter forward, loss, statistics): each step's
+        # tensors feed the next, so helpers would take and return most of them
         input_ids = inputs["input_ids"]
         loss_mask = inputs["loss_mask"]
         attention_mask = inputs.get("attention_mask")

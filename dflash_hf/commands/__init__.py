@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import torch
-
-
-def available_cpus() -> int:
-    """CPUs this process may run on."""
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
 
 
 def load_models(target: str, drafter_dir: Path, device: torch.device):

@@ -4,7 +4,7 @@ Runs every method on the same prompts with the same settings in one process (gre
 table and writes `bench.json`, `bench.md` (the README results section) and PNG plots into `--out`. Every output is
 compared token by token with plain greedy decoding; any difference is reported with the prompt index and makes the
 command exit with status 1 unless `--allow-mismatch`. `--readme-section BENCH_JSON` prints the README results section
-of an earlier run instead. See `dflash_hf.bench` for how every number is derived.
+of an earlier run instead. See docs/design.md ("Benchmark") for how every number is derived.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from .. import bench
+from ..runtime import available_cpus
 from ..targets import resolve_drafter_dir
-from . import add_model_arguments, available_cpus, load_models
+from . import add_model_arguments, load_models
 
 
 def _block_sizes(text: str) -> list[int]:
@@ -33,6 +34,7 @@ def _block_sizes(text: str) -> list[int]:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `bench` sub-command."""
+    # long only because it declares every flag, one `add_argument` each
     parser = subparsers.add_parser(
         "bench",
         help="Benchmark greedy, prompt lookup, native Transformers DFlash and dflash-hf (fixed and adaptive blocks).",
@@ -144,6 +146,8 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the `bench` sub-command; returns the exit code (1 when an output differs from greedy)."""
+    # a straight sequence (check flags, load prompts and models, run, write, print); splitting it would only pass
+    # the parsed arguments around
     if args.readme_section is not None:
         print(bench.render_markdown(args.readme_section, plots_prefix=args.plots_prefix), end="")
         return 0

@@ -33,12 +33,14 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_hf.data import load_target, load_training_data
-    from dflash_hf.features import cache_features
-    from dflash_hf.modeling import DFlashConfig, default_target_layer_ids
+    from ..data.features import cache_features
+    from ..data.make import load_training_data
+    from ..modeling import DFlashConfig, default_target_layer_ids
+    from ..runtime import default_device
+    from ..targets import load_target
 
     data = load_training_data(args.data)
-    target, _ = load_target(args.target, dtype=args.dtype, device=args.device)
+    target, _ = load_target(args.target, dtype=args.dtype, device=args.device or default_device())
     layer_ids = args.target_layer_ids
     if args.drafter:
         layer_ids = list(DFlashConfig.from_pretrained(args.drafter).target_layer_ids)

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..export import EXPORT_FORMATS, export
+from ..hub.export import EXPORT_FORMATS, export
 from ..modeling import DFlashDraftModel
 
 

@@ -9,17 +9,18 @@ in the package for it. The answer is streamed as it is committed; the last line 
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
 
-from ..generation import check_context_length, generate
+from ..data.prompts import encode_prompt
+from ..engine.generation import check_context_length, generate
 from ..modeling import DFlashConfig
+from ..runtime import Stopwatch, available_cpus, default_device
 from ..targets import resolve_drafter_dir
-from . import add_model_arguments, available_cpus, load_models
+from . import add_model_arguments, load_models
 
 T = TypeVar("T")
 WARMUP_PROMPT_TOKENS = 16
@@ -81,26 +82,16 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, prompt: str, use_template: bool) -> dict[str, torch.Tensor]:
-    if use_template and tokenizer.chat_template:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
-        return tokenizer(text, add_special_tokens=False, return_tensors="pt")
-    return tokenizer(prompt, return_tensors="pt")
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    """`input_ids` and `attention_mask` of one prompt (chat template when asked for and the tokenizer has one)."""
+    ids = torch.tensor([encode_prompt(tokenizer, prompt, use_template and bool(tokenizer.chat_template))])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
 def _timed(device: torch.device, fn: Callable[[], T]) -> tuple[T, float]:
     """Run `fn` and return its result with its wall time in seconds."""
-    _synchronize(device)
-    start = time.perf_counter()
-    result = fn()
-    _synchronize(device)
-    return result, time.perf_counter() - start
+    with Stopwatch(device) as stopwatch:
+        result = fn()
+    return result, stopwatch.total
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--threads must be >= 1, got {args.threads}.")
     sampling = _sampling_kwargs(args)
     drafter_dir = resolve_drafter_dir(args.target, args.drafter)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(args.device or default_device())
     if device.type == "cpu":
         torch.set_num_threads(args.threads or available_cpus())
 

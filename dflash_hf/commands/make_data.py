@@ -1,4 +1,4 @@
-"""`dflash-hf make-data`: regenerate training responses with the target itself (see `dflash_hf.data`)."""
+"""`dflash-hf make-data`: regenerate training responses with the target itself (see `dflash_hf.data.make`)."""
 
 from __future__ import annotations
 
@@ -33,12 +33,14 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_hf.data import check_output_folder, load_target, make_data
+    from ..data.make import check_output_folder, make_data
+    from ..runtime import default_device
+    from ..targets import load_target
 
     if args.max_samples is not None and args.max_samples < 1:
         raise ValueError(f"--max-samples must be >= 1, got {args.max_samples}.")
     check_output_folder(args.out)  # before the (slow) target load
-    target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
+    target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device or default_device())
     manifest = make_data(
         target,
         tokenizer,

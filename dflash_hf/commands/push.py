@@ -7,7 +7,7 @@ import sys
 
 from huggingface_hub.utils import validate_repo_id
 
-from ..hub import push_to_hub, validate_hub_folder
+from ..hub.push import push_to_hub, validate_hub_folder
 
 
 def run(args: argparse.Namespace) -> int:

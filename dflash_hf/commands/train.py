@@ -41,13 +41,13 @@ class DFlashScriptArguments:
 
 
 def _base_model(script: "DFlashScriptArguments") -> str | None:
-    from dflash_hf.targets import TARGETS
+    from dflash_hf.targets import TARGETS, is_hub_id
 
     if script.base_model:
         return script.base_model
     if script.target in TARGETS:
         return TARGETS[script.target].hub_id
-    if not os.path.exists(script.target) and script.target.count("/") == 1:
+    if is_hub_id(script.target):
         return script.target
     raise ValueError(
         f"--target {script.target!r} is a local folder: pass --base_model org/name (the target's Hub id, written "
@@ -111,7 +111,10 @@ def _resolve_resume(value, output_dir: str):
 
 def train(script: DFlashScriptArguments, config) -> dict:
     """Run training end to end; returns a summary (also written to `OUTPUT_DIR/train_summary.json`)."""
-    from dflash_hf.data import load_target, load_training_data, read_manifest
+    # a straight sequence (load data and target, check their pairing, train, export, summarise), kept in one place so
+    # that `dflash-hf train` and `examples/train.py` read as one recipe
+    from dflash_hf.data.make import load_training_data, read_manifest
+    from dflash_hf.targets import load_target
     from dflash_hf.trainers import DFlashTrainer
 
     if script.export_format not in ("dflash-hf", "official"):
@@ -191,7 +194,7 @@ def train(script: DFlashScriptArguments, config) -> dict:
 
 def _export(drafter, export_dir: str, target, script: DFlashScriptArguments, training: dict, base_model: str) -> Path:
     try:
-        from dflash_hf.export import export
+        from dflash_hf.hub.export import export
     except ImportError:  # exporter not available: plain save_pretrained
         drafter.save_pretrained(export_dir)
         return Path(export_dir)

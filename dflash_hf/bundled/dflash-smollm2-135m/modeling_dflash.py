@@ -197,8 +197,10 @@ class DFlashAttention(nn.Module):
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
         attention_interface: Callable = eager_attention_forward
-        if self.config._attn_implementation not in (None, "eager"):
-            attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        if self.config._attn_implementation is not None:  # None: a module built outside `from_pretrained`, eager
+            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
+            )
 
         attn_output, attn_weights = attention_interface(
             self,
@@ -416,6 +418,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         """Turn a 2D padding mask over all keys into what the configured attention backend expects.
 
         4D masks (boolean or additive) and backend-specific objects (e.g. a flex `BlockMask`) pass through unchanged.
+        Hand-written rather than `masking_utils.create_bidirectional_mask`: that helper sizes the keys as cache +
+        queries, but here the keys also hold the new context tokens, which enter the cache inside the layers.
         """
         if attention_mask is None or not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
             return attention_mask

@@ -18,10 +18,9 @@ from huggingface_hub import HfApi, get_token, is_offline_mode, metadata_load
 from safetensors import SafetensorError, safe_open
 from transformers.utils import logging as transformers_logging
 
-from .modeling import DFlashDraftModel
+from ..fileio import PICKLE_SUFFIXES
+from ..modeling import DFlashDraftModel
 
-# pickled weight files: never uploaded, never opened
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 # front-matter keys every exported card carries
 REQUIRED_CARD_KEYS = ("base_model", "library_name", "pipeline_tag", "tags")
 

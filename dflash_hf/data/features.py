@@ -22,6 +22,7 @@ the number of taps: `length * k * H * 2` bytes per row.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -33,19 +34,16 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .fileio import set_ordinary_mode
+from ..fileio import atomic_write, atomic_write_text, set_ordinary_mode
+from .batching import pad
 
 FEATURES_FORMAT = "dflash-hf-features/1"
 INDEX_NAME = "index.json"
 
 
-def _atomic_write_json(path: Path, payload: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(payload, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+def _write_index(out: Path, index: dict[str, Any]) -> None:
+    """Rewrite `index.json` atomically."""
+    atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=1))
 
 
 def read_index(features_dir: str | os.PathLike) -> dict[str, Any]:
@@ -97,6 +95,44 @@ def _check_stored_rows(out: Path, index: dict[str, Any], dataset) -> None:
             )
 
 
+def _open_index(out: Path, settings: dict[str, Any], dataset) -> dict[str, Any]:
+    """The index of `out`: a new one, or the stored one once its settings and rows are known to match `dataset`."""
+    if (out / INDEX_NAME).is_file():
+        index = read_index(out)
+        for key in ("target_layer_ids", "width", "max_length", "final_hidden"):
+            if index.get(key, False if key == "final_hidden" else None) != settings[key]:
+                raise ValueError(
+                    f"{out} holds features made with {key}={index.get(key)!r}, not {settings[key]!r}: use another "
+                    "--out folder (or the same settings to resume)."
+                )
+        _check_stored_rows(out, index, dataset)
+        if index["num_rows"] != len(dataset):
+            index["num_rows"] = len(dataset)
+            _write_index(out, index)
+    else:
+        index = {**settings, "shards": []}
+        _write_index(out, index)
+    return index
+
+
+def _features_of_batch(
+    adapter, rows: list[int], seqs: list[list[int]], device: torch.device, final_hidden: bool
+) -> dict[str, torch.Tensor]:
+    """One target forward over a right-padded batch: the bf16 tensors to store, by name (`"{row}"`, `"{row}.final"`)."""
+    from transformers.cache_utils import DynamicCache
+
+    ids = pad([torch.tensor(s, dtype=torch.long) for s in seqs]).to(device)
+    mask = pad([torch.ones(len(s), dtype=torch.long) for s in seqs]).to(device)
+    positions = torch.arange(ids.shape[1], device=device)[None].expand(len(seqs), -1)
+    step = adapter.forward(ids, mask, positions, DynamicCache())
+    tensors = {}
+    for j, (row, s) in enumerate(zip(rows, seqs)):
+        tensors[str(row)] = step.tapped_hidden_states[j, : len(s)].to(torch.bfloat16).cpu().contiguous()
+        if final_hidden:
+            tensors[f"{row}.final"] = step.last_hidden_state[j, : len(s)].to(torch.bfloat16).cpu().contiguous()
+    return tensors
+
+
 @torch.no_grad()
 def cache_features(
     target,
@@ -117,9 +153,8 @@ def cache_features(
     Resumable: rows already indexed in `out_dir` are skipped, and a dataset that only grew at the end is extended
     (stored rows are checked against it first). Returns the index.
     """
-    from transformers.cache_utils import DynamicCache
-
-    from .adapters import TargetAdapter
+    # one function because the shard bookkeeping (`flush`) shares the loop's pending rows
+    from ..engine.adapters import TargetAdapter
 
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {max_length}.")
@@ -142,21 +177,7 @@ def cache_features(
         "final_hidden": bool(final_hidden),
         "num_rows": len(dataset),
     }
-    if (out / INDEX_NAME).is_file():
-        index = read_index(out)
-        for key in ("target_layer_ids", "width", "max_length", "final_hidden"):
-            if index.get(key, False if key == "final_hidden" else None) != settings[key]:
-                raise ValueError(
-                    f"{out} holds features made with {key}={index.get(key)!r}, not {settings[key]!r}: use another "
-                    "--out folder (or the same settings to resume)."
-                )
-        _check_stored_rows(out, index, dataset)
-        if index["num_rows"] != len(dataset):
-            index["num_rows"] = len(dataset)
-            _atomic_write_json(out / INDEX_NAME, index)
-    else:
-        index = {**settings, "shards": []}
-        _atomic_write_json(out / INDEX_NAME, index)
+    index = _open_index(out, settings, dataset)
     for leftover in out.glob(".shard-*.tmp"):
         leftover.unlink()
     start = index["shards"][-1]["end"] if index["shards"] else 0
@@ -171,39 +192,23 @@ def cache_features(
         if not pending:
             return
         name = f"shard-{len(index['shards']):05d}.safetensors"
-        tmp = out / f".{name}.tmp"
-        save_file(pending, str(tmp), metadata={"format": FEATURES_FORMAT})
-        set_ordinary_mode(tmp)
-        os.replace(tmp, out / name)
+        atomic_write(out / name, lambda tmp: save_file(pending, str(tmp), metadata={"format": FEATURES_FORMAT}))
+        set_ordinary_mode(out / name)
         index["shards"].append(
             {"file": name, "start": pending_start, "end": end, "lengths": [len(s) for s in pending_seqs],
              "fingerprint": _fingerprint(pending_seqs)}
         )
-        _atomic_write_json(out / INDEX_NAME, index)
+        _write_index(out, index)
         pending, pending_start, pending_bytes, pending_seqs = {}, end, 0, []
 
     row = start
     while row < total:
         rows = list(range(row, min(row + batch_size, total)))
         seqs = [_row_ids(dataset, i, max_length) for i in rows]
-        width = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for j, s in enumerate(seqs):
-            ids[j, : len(s)] = torch.tensor(s, dtype=torch.long)
-            mask[j, : len(s)] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        positions = torch.arange(width, device=device)[None].expand(len(seqs), -1)
-        step = adapter.forward(ids, mask, positions, DynamicCache())
-        for j, (i, s) in enumerate(zip(rows, seqs)):
-            tensor = step.tapped_hidden_states[j, : len(s)].to(torch.bfloat16).cpu().contiguous()
-            pending[str(i)] = tensor
+        for name, tensor in _features_of_batch(adapter, rows, seqs, device, final_hidden).items():
+            pending[name] = tensor
             pending_bytes += tensor.numel() * 2
-            if final_hidden:
-                final = step.last_hidden_state[j, : len(s)].to(torch.bfloat16).cpu().contiguous()
-                pending[f"{i}.final"] = final
-                pending_bytes += final.numel() * 2
-            pending_seqs.append(s)
+        pending_seqs.extend(seqs)
         row = rows[-1] + 1
         bar.update(len(rows))
         if pending_bytes >= shard_bytes:
@@ -233,21 +238,16 @@ class OfflineFeatureDataset(torch.utils.data.Dataset):
                 f"The features in {features_dir} cover {covered} of {self.index['num_rows']} rows but the dataset has "
                 f"{len(dataset)}: finish (rerun) `dflash-hf cache-features` on this dataset."
             )
-        self._shard_of: list[tuple[int, str]] = [(s["end"], s["file"]) for s in self.index["shards"]]
+        self._shard_ends: list[int] = [s["end"] for s in self.index["shards"]]
+        self._shard_files: list[str] = [s["file"] for s in self.index["shards"]]
         self._handles: dict[str, Any] = {}
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def _shard(self, row: int) -> str:
-        lo, hi = 0, len(self._shard_of)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self._shard_of[mid][0] <= row:
-                lo = mid + 1
-            else:
-                hi = mid
-        return self._shard_of[lo][1]
+        """The shard file holding `row` (the first shard whose end is past it)."""
+        return self._shard_files[bisect.bisect_right(self._shard_ends, row)]
 
     @property
     def has_final_hidden(self) -> bool:

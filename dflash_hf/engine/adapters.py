@@ -22,18 +22,24 @@ from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache
 
-from .modeling import DFlashDraftModel
+from ..modeling import DFlashDraftModel
 
-SUPPORTED_TARGET_TYPES: dict[str, str] = {
-    "qwen3": "Qwen3",
-    "qwen2": "Qwen2",
-    "llama": "LLaMA (incl. SmolLM2)",
-    "mistral": "Mistral",
-    "gemma3_text": "Gemma 3 (text)",
+# The one table of supported targets: `model_type` -> (display name, model-card family). The family names the
+# `hub_cards/family_<family>.md` part of exported cards and is a Hub tag; `None`: no family notes, the tag is the
+# model type.
+_TARGET_TYPES: dict[str, tuple[str, str | None]] = {
+    "qwen3": ("Qwen3", "qwen"),
+    "qwen2": ("Qwen2", "qwen"),
+    "llama": ("LLaMA (incl. SmolLM2)", "llama"),
+    "mistral": ("Mistral", None),
+    "gemma3_text": ("Gemma 3 (text)", "gemma"),
 }
+SUPPORTED_TARGET_TYPES: dict[str, str] = {model_type: name for model_type, (name, _) in _TARGET_TYPES.items()}
+TARGET_FAMILIES: dict[str, str] = {model_type: family for model_type, (_, family) in _TARGET_TYPES.items() if family}
 
 
 def _supported_list() -> str:
+    """The supported target types, for error messages."""
     return ", ".join(f"{name} (`{key}`)" for key, name in SUPPORTED_TARGET_TYPES.items())
 
 

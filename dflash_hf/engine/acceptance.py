@@ -6,6 +6,8 @@ Shapes: `k = block_size - 1` drafted tokens per row; target distributions cover 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -63,3 +65,22 @@ def rejection_sample(
     residual = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(mass.dtype).tiny), p_next)
     next_token = torch.multinomial(residual, num_samples=1).squeeze(1)
     return accepted, next_token
+
+
+def acceptance_rate_by_slot(
+    accepted_lengths: Sequence[int], block_sizes: Sequence[int] | None, block_size: int
+) -> list[float]:
+    """For draft slot `i = 1..block_size-1`: the fraction of the cycles that drafted slot `i` in which it was accepted.
+
+    Args:
+        accepted_lengths: Tokens committed in each cycle (accepted drafts + 1).
+        block_sizes: Block size of each cycle (adaptive or capped blocks draft fewer slots), or `None` when every
+            cycle drafted every slot.
+        block_size: The largest block size.
+    """
+    sizes = [block_size] * len(accepted_lengths) if block_sizes is None else block_sizes
+    rates = []
+    for slot in range(1, block_size):
+        drafted = [n for n, k in zip(accepted_lengths, sizes) if k > slot]
+        rates.append(sum(n > slot for n in drafted) / len(drafted) if drafted else 0.0)
+    return rates

@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 import numbers
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
@@ -26,149 +26,16 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
+from ..modeling import DFlashDraftModel
+from ..runtime import Stopwatch
+from ..targets import first_token_id
 from .acceptance import greedy_accept, rejection_sample
 from .adapters import TargetAdapter
 from .block_size import BlockSizePolicy, make_block_size_policy
 from .cache_ops import select_rows, shift_cache_right, shift_right, truncate_cache
-from .modeling import DFlashDraftModel
+from .checks import check_context_length, check_inputs, check_request
+from .output import DFlashGenerateOutput
 from .processing import BlockLogitsProcessor
-
-
-@dataclass
-class DFlashGenerateOutput:
-    """Output of DFlash generation with `return_dict_in_generate=True`.
-
-    Attributes:
-        sequences: `(batch, prompt + generated)` ids, finished rows right-padded with the pad token.
-        accepted_lengths: per row, the number of tokens committed in each verify cycle (accepted drafts + 1).
-        cycles: number of target verify forwards per row.
-        tau: mean tokens committed per verify forward over all rows and cycles.
-        draft_time / verify_time / prefill_time: seconds spent in drafter forwards, target verify forwards and the
-            target prefill.
-        block_size: the largest block size used (the fixed size, or the adaptive policy's largest candidate).
-        block_sizes: per row, the block size of each of its cycles (parallel to `accepted_lengths`).
-    """
-
-    sequences: torch.LongTensor | None = None
-    accepted_lengths: list[list[int]] = field(default_factory=list)
-    cycles: list[int] = field(default_factory=list)
-    tau: float = 0.0
-    draft_time: float = 0.0
-    verify_time: float = 0.0
-    prefill_time: float = 0.0
-    block_size: int = 0
-    block_sizes: list[list[int]] = field(default_factory=list)
-
-    @property
-    def acceptance_rate_by_slot(self) -> list[float]:
-        """For draft slot `i = 1..block_size-1`: the fraction of cycles that drafted slot `i` in which it was accepted."""
-        cycles = [
-            (n, k) for lengths, sizes in zip(self.accepted_lengths, self.block_sizes) for n, k in zip(lengths, sizes)
-        ]
-        rates = []
-        for slot in range(1, self.block_size):
-            drafted = [n for n, k in cycles if k > slot]
-            rates.append(sum(n > slot for n in drafted) / len(drafted) if drafted else 0.0)
-        return rates
-
-
-class _Timer:
-    """Accumulates wall time of a code region, synchronising CUDA so the numbers mean something."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.sync = device.type == "cuda"
-        self.total = 0.0
-
-    def __enter__(self):
-        if self.sync:
-            torch.cuda.synchronize()
-        self._start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if self.sync:
-            torch.cuda.synchronize()
-        self.total += time.perf_counter() - self._start
-
-
-def check_inputs(
-    target: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
-) -> tuple[torch.LongTensor, torch.Tensor | None]:
-    """Validate a prompt batch for DFlash generation and return it as `(batch, length)` tensors.
-
-    A 1-D `input_ids` (and a 1-D mask with it) is a batch of one. Raises a `ValueError` naming the input and the fix
-    for non-integer or out-of-vocabulary ids, an empty prompt, a mask of another shape or with values other than
-    0/1, and a row that ends with padding (right padding would silently change the output).
-    """
-    if not isinstance(input_ids, torch.Tensor):
-        raise ValueError(
-            f"`input_ids` must be a tensor of token ids of shape (batch, length), got {type(input_ids).__name__}: "
-            "pass the tokenizer's `input_ids` (`return_tensors=\"pt\"`)."
-        )
-    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-        raise ValueError(
-            f"`input_ids` must hold integer token ids, got dtype {input_ids.dtype}: pass `input_ids.long()` "
-            "(float ids would be silently truncated)."
-        )
-    if input_ids.dim() == 1:
-        input_ids = input_ids[None]
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 1:
-            attention_mask = attention_mask[None]
-    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ValueError(
-            f"DFlash generation needs a non-empty prompt of shape (batch, length), got {tuple(input_ids.shape)}: "
-            "pass at least one token (e.g. the BOS token or a chat-templated prompt)."
-        )
-    vocab_size = target.get_input_embeddings().num_embeddings
-    low, high = int(input_ids.min()), int(input_ids.max())
-    if low < 0 or high >= vocab_size:
-        raise ValueError(
-            f"`input_ids` hold token ids outside the target's vocabulary (ids {low}..{high}, valid "
-            f"0..{vocab_size - 1}): encode the prompt with this target's tokenizer."
-        )
-    if attention_mask is None:
-        return input_ids, None
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
-        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
-        raise ValueError(
-            f"`attention_mask` has shape {shape} but `input_ids` has shape {tuple(input_ids.shape)}: pass the mask "
-            "the tokenizer returned with these ids (1 for tokens, 0 for left padding)."
-        )
-    mask = attention_mask.to(torch.long)
-    if bool(((mask != 0) & (mask != 1)).any()):
-        raise ValueError("`attention_mask` must hold only 0 (padding) and 1 (token): pass the tokenizer's mask.")
-    empty = (mask.sum(-1) == 0).nonzero()
-    if empty.numel():
-        raise ValueError(f"Row {int(empty[0])} of `attention_mask` masks every token: each prompt needs a token.")
-    right = (mask[:, -1] == 0).nonzero()
-    if right.numel():
-        raise ValueError(
-            f"Row {int(right[0])} of the batch ends with padding (right padding): DFlash generation needs left-padded "
-            "prompts; set `tokenizer.padding_side = \"left\"` before tokenizing the batch."
-        )
-    return input_ids, attention_mask
-
-
-def check_context_length(target: PreTrainedModel, prompt_tokens: int, max_new_tokens: int) -> None:
-    """Raise a `ValueError` when `prompt_tokens + max_new_tokens` exceeds the target's position limit."""
-    limit = getattr(target.config.get_text_config(decoder=True), "max_position_embeddings", None)
-    if limit is not None and prompt_tokens + max_new_tokens > int(limit):
-        raise ValueError(
-            f"The prompt ({prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) needs "
-            f"{prompt_tokens + max_new_tokens} positions but the target has {int(limit)} "
-            "(`max_position_embeddings`): shorten the prompt or lower max_new_tokens."
-        )
-
-
-def _check_request(generation_config: GenerationConfig) -> None:
-    for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
-        if getattr(generation_config, flag, False):
-            raise ValueError(
-                f"`{flag}=True` is not supported by DFlash generation; drop it (statistics come with "
-                "`return_dict_in_generate=True`)."
-            )
-    if getattr(generation_config, "num_beams", 1) not in (None, 1):
-        raise ValueError("DFlash generation does not support beam search: use num_beams=1.")
 
 
 def _plain_stop_token_ids(stopping_criteria: StoppingCriteriaList) -> set[int] | None:
@@ -190,8 +57,9 @@ def _mask_or_none(mask: torch.Tensor, block: int = 0) -> torch.Tensor | None:
 
 
 @dataclass
-class _State:
-    """Per active row: ids, the next anchor, committed-token count, and the context the drafter has not seen yet.
+class _ActiveRows:
+    """The rows still generating: ids, next anchors, committed-token counts, and the tapped target features the
+    drafter has not seen yet (`pending_tapped_hidden_states`, at positions `pending_pos`).
 
     `mask` is the padding mask over the target cache (which already holds the pending context); `pending_shift` is
     how far each row must move right to be contiguous again once the drafter has ingested the pending context.
@@ -201,19 +69,19 @@ class _State:
     anchors: torch.LongTensor
     committed: torch.LongTensor
     mask: torch.Tensor
-    pending_ctx: torch.Tensor
+    pending_tapped_hidden_states: torch.Tensor
     pending_pos: torch.LongTensor
     pending_shift: torch.LongTensor
 
     def select(self, index: torch.LongTensor) -> None:
         """Keep only the rows at `index` (positions in the current batch)."""
         self.rows = [self.rows[i] for i in index.tolist()]
-        for name in ("anchors", "committed", "mask", "pending_ctx", "pending_pos", "pending_shift"):
+        for name in ("anchors", "committed", "mask", "pending_tapped_hidden_states", "pending_pos", "pending_shift"):
             setattr(self, name, getattr(self, name)[index])
 
 
-class _Decoder:
-    """State and steps of one DFlash generation call (see the module docstring for the layout)."""
+class _GenerationCall:
+    """The state of one DFlash generation call (sequences, caches, statistics) and the steps of its loop."""
 
     def __init__(
         self,
@@ -242,13 +110,12 @@ class _Decoder:
         self.mask_token_id = int(drafter.config.mask_token_id)
         draft_ids = getattr(drafter, "draft_token_ids", None)
         self.draft_token_ids = None if draft_ids is None else draft_ids.to(self.device)
-        pad = getattr(generation_config, "_pad_token_tensor", None)
-        if pad is None:
-            pad = generation_config.pad_token_id
-        if pad is None:
-            eos = generation_config.eos_token_id
-            pad = eos[0] if isinstance(eos, list) else eos
-        self.pad_token_id = int(pad) if pad is not None else 0
+        pad = first_token_id(
+            getattr(generation_config, "_pad_token_tensor", None),
+            generation_config.pad_token_id,
+            generation_config.eos_token_id,
+        )
+        self.pad_token_id = 0 if pad is None else pad
 
         batch, prompt_len = input_ids.shape
         self.batch = batch
@@ -265,9 +132,10 @@ class _Decoder:
             attention_mask = torch.ones_like(input_ids)
         self.prompt_mask = attention_mask.to(torch.long)
 
-        self.draft_timer = _Timer(self.device)
-        self.verify_timer = _Timer(self.device)
-        self.prefill_timer = _Timer(self.device)
+        self.target_cache, self.draft_cache = DynamicCache(), DynamicCache()
+        self.draft_timer = Stopwatch(self.device)
+        self.verify_timer = Stopwatch(self.device)
+        self.prefill_timer = Stopwatch(self.device)
 
     # ----------------------------------------------------------------------------------------------------------
     # token selection
@@ -279,6 +147,8 @@ class _Decoder:
         return prefixes
 
     def _first_token(self, logits: torch.Tensor) -> torch.LongTensor:
+        """The token every row gets from the prefill's last logits (processed, then argmax or sampled)."""
+
         def prefixes():
             return [self.sequences[row, : self.lengths[row]] for row in range(self.batch)]
 
@@ -322,7 +192,8 @@ class _Decoder:
                     tokens[i, slot] = scores.argmax()
         return tokens, probs
 
-    def _verify(self, target_logits: torch.Tensor, block_tokens, draft_tokens, draft_probs, rows):
+    def _accept(self, target_logits: torch.Tensor, block_tokens, draft_tokens, draft_probs, rows):
+        """Accepted drafts and the target's next token per row (greedy prefix match, or rejection sampling)."""
         scores = self.process(target_logits, lambda: self._row_prefixes(rows, block_tokens))
         if self.do_sample:
             return rejection_sample(draft_tokens, draft_probs, torch.softmax(scores, dim=-1))
@@ -356,100 +227,118 @@ class _Decoder:
 
     # ----------------------------------------------------------------------------------------------------------
     def _remaining(self, rows: list[int]) -> int:
+        """Most tokens any of `rows` may still generate."""
         return max(self.max_length - self.lengths[row] for row in rows)
 
     def run(self) -> DFlashGenerateOutput:
-        adapter, drafter = self.adapter, self.drafter
-        device = self.device
-        target_cache, draft_cache = DynamicCache(), DynamicCache()
-
-        # 1. prefill
-        mask = self.prompt_mask
-        positions = (mask.cumsum(-1) - 1).clamp_min(0)
-        with self.prefill_timer:
-            step = adapter.forward(self.sequences[:, : self.prompt_len], _mask_or_none(mask), positions, target_cache)
-            first = self._first_token(adapter.logits(step.last_hidden_state[:, -1]))
-        for row, token in enumerate(first.tolist()):
-            self._emit(row, [token])
-        state = _State(
-            rows=list(range(self.batch)),
-            anchors=first,
-            committed=mask.sum(-1),
-            mask=mask,
-            pending_ctx=step.tapped_hidden_states,
-            pending_pos=positions,
-            pending_shift=torch.zeros(self.batch, dtype=torch.long, device=device),
-        )
-        self._drop_finished(state, target_cache, draft_cache)
+        """Prefill, then draft / re-align / verify / commit cycles until every row has stopped."""
+        state = self._prefill()
         while state.rows:
             block = max(2, min(self.policy.next_block_size(), self._remaining(state.rows) + 1))
             cycle_start = time.perf_counter()
-            slots = torch.arange(block, device=device)
-            block_pos = state.committed[:, None] + slots[None, :]
-
-            # 2. draft: the new context enters the draft cache, the block's K/V are dropped right after
-            with self.draft_timer:
-                noise_ids = torch.full((len(state.rows), block), self.mask_token_id, dtype=torch.long, device=device)
-                noise_ids[:, 0] = state.anchors
-                out = drafter(
-                    noise_embeds=adapter.embed(noise_ids),
-                    context_hidden_states=state.pending_ctx,
-                    position_ids=torch.cat([state.pending_pos, block_pos], dim=1),
-                    attention_mask=_mask_or_none(state.mask, block),
-                    past_key_values=draft_cache,
-                )
-                truncate_cache(draft_cache, state.mask.shape[1])
-                draft_logits = adapter.logits(out.last_hidden_state[:, 1:], self.draft_token_ids)
-                draft_tokens, draft_probs = self._propose(draft_logits, state.rows)
-
-            # 3. re-align rows that committed fewer tokens last cycle (both caches now have the same layout)
-            if bool(state.pending_shift.any()):
-                shift = state.pending_shift
-                shift_cache_right(target_cache, shift)
-                shift_cache_right(draft_cache, shift)
-                state.mask = shift_right(state.mask, shift, dim=1)
-                state.mask[torch.arange(state.mask.shape[1], device=device)[None, :] < shift[:, None]] = 0
-
-            # 4. verify the whole block in one target forward
-            block_ids = torch.cat([state.anchors[:, None], draft_tokens], dim=1)
-            with self.verify_timer:
-                verify_mask = _mask_or_none(state.mask, block)
-                step = adapter.forward(block_ids, verify_mask, block_pos, target_cache)
-                target_logits = adapter.logits(step.last_hidden_state)
-                accepted, next_tokens = self._verify(target_logits, block_ids, draft_tokens, draft_probs, state.rows)
-
-            # 5. commit: anchor + accepted drafts enter the caches, the target's token becomes the next anchor
-            kept = accepted + 1
-            width = int(kept.max())
-            truncate_cache(target_cache, state.mask.shape[1] + width)
-            state.mask = torch.cat([state.mask, (slots[None, :width] < kept[:, None]).to(state.mask.dtype)], dim=1)
-            state.pending_ctx = step.tapped_hidden_states[:, :width]
-            state.pending_pos = block_pos[:, :width]
-            state.pending_shift = width - kept
-            state.committed = state.committed + kept
-            state.anchors = next_tokens
-            kept_list, draft_list, next_list = kept.tolist(), draft_tokens.tolist(), next_tokens.tolist()
-            for i, row in enumerate(state.rows):
-                emitted = self._emit(row, draft_list[i][: kept_list[i] - 1] + [next_list[i]])
-                self.accepted_lengths[row].append(emitted)
-                self.block_sizes[row].append(block)
-            self.policy.observe(block, kept_list, time.perf_counter() - cycle_start)
-            self._drop_finished(state, target_cache, draft_cache)
-
+            block_pos = state.committed[:, None] + torch.arange(block, device=self.device)[None, :]
+            draft_tokens, draft_probs = self._draft(state, block, block_pos)
+            self._realign(state)
+            accepted, next_tokens, step = self._verify(state, block_pos, draft_tokens, draft_probs)
+            kept = self._commit(state, block, block_pos, draft_tokens, accepted, next_tokens, step)
+            self.policy.observe(block, kept, time.perf_counter() - cycle_start)
+            self._drop_finished(state)
         if self.streamer is not None:
             self.streamer.end()
         return self._output()
 
-    def _drop_finished(self, state: "_State", *caches: DynamicCache) -> None:
+    def _prefill(self) -> _ActiveRows:
+        """1. One target forward over the prompts: fills the target cache, gives every row its first token."""
+        mask = self.prompt_mask
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        with self.prefill_timer:
+            step = self.adapter.forward(
+                self.sequences[:, : self.prompt_len], _mask_or_none(mask), positions, self.target_cache
+            )
+            first = self._first_token(self.adapter.logits(step.last_hidden_state[:, -1]))
+        for row, token in enumerate(first.tolist()):
+            self._emit(row, [token])
+        state = _ActiveRows(
+            rows=list(range(self.batch)),
+            anchors=first,
+            committed=mask.sum(-1),
+            mask=mask,
+            pending_tapped_hidden_states=step.tapped_hidden_states,
+            pending_pos=positions,
+            pending_shift=torch.zeros(self.batch, dtype=torch.long, device=self.device),
+        )
+        self._drop_finished(state)
+        return state
+
+    def _draft(self, state: _ActiveRows, block: int, block_pos: torch.LongTensor):
+        """2. One drafter forward over `[anchor, MASK * (block-1)]`: the pending context enters the draft cache,
+        the block's own K/V are dropped right after. Returns the draft tokens (and proposal distributions)."""
+        with self.draft_timer:
+            noise_ids = torch.full((len(state.rows), block), self.mask_token_id, dtype=torch.long, device=self.device)
+            noise_ids[:, 0] = state.anchors
+            out = self.drafter(
+                noise_embeds=self.adapter.embed(noise_ids),
+                context_hidden_states=state.pending_tapped_hidden_states,
+                position_ids=torch.cat([state.pending_pos, block_pos], dim=1),
+                attention_mask=_mask_or_none(state.mask, block),
+                past_key_values=self.draft_cache,
+            )
+            truncate_cache(self.draft_cache, state.mask.shape[1])
+            draft_logits = self.adapter.logits(out.last_hidden_state[:, 1:], self.draft_token_ids)
+            return self._propose(draft_logits, state.rows)
+
+    def _realign(self, state: _ActiveRows) -> None:
+        """3. Shift right the rows that committed fewer tokens last cycle (both caches now have the same layout)."""
+        if not bool(state.pending_shift.any()):
+            return
+        shift = state.pending_shift
+        shift_cache_right(self.target_cache, shift)
+        shift_cache_right(self.draft_cache, shift)
+        state.mask = shift_right(state.mask, shift, dim=1)
+        state.mask[torch.arange(state.mask.shape[1], device=self.device)[None, :] < shift[:, None]] = 0
+
+    def _verify(self, state: _ActiveRows, block_pos: torch.LongTensor, draft_tokens, draft_probs):
+        """4. One target forward over the whole block; returns `(accepted drafts, next tokens, target step)`."""
+        block_ids = torch.cat([state.anchors[:, None], draft_tokens], dim=1)
+        with self.verify_timer:
+            verify_mask = _mask_or_none(state.mask, block_ids.shape[1])
+            step = self.adapter.forward(block_ids, verify_mask, block_pos, self.target_cache)
+            target_logits = self.adapter.logits(step.last_hidden_state)
+            accepted, next_tokens = self._accept(target_logits, block_ids, draft_tokens, draft_probs, state.rows)
+        return accepted, next_tokens, step
+
+    def _commit(self, state: _ActiveRows, block: int, block_pos, draft_tokens, accepted, next_tokens, step) -> list[int]:
+        """5. Anchor + accepted drafts enter the caches, the target's token becomes the next anchor, tokens are
+        emitted. Returns the tokens kept per row."""
+        kept = accepted + 1
+        width = int(kept.max())
+        truncate_cache(self.target_cache, state.mask.shape[1] + width)
+        slots = torch.arange(width, device=self.device)
+        state.mask = torch.cat([state.mask, (slots[None, :] < kept[:, None]).to(state.mask.dtype)], dim=1)
+        state.pending_tapped_hidden_states = step.tapped_hidden_states[:, :width]
+        state.pending_pos = block_pos[:, :width]
+        state.pending_shift = width - kept
+        state.committed = state.committed + kept
+        state.anchors = next_tokens
+        kept_list, draft_list, next_list = kept.tolist(), draft_tokens.tolist(), next_tokens.tolist()
+        for i, row in enumerate(state.rows):
+            emitted = self._emit(row, draft_list[i][: kept_list[i] - 1] + [next_list[i]])
+            self.accepted_lengths[row].append(emitted)
+            self.block_sizes[row].append(block)
+        return kept_list
+
+    def _drop_finished(self, state: _ActiveRows) -> None:
+        """Remove the finished rows from the active rows and from both caches."""
         keep = [i for i, row in enumerate(state.rows) if not self.finished[row]]
         if len(keep) == len(state.rows):
             return
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        for cache in caches:
+        for cache in (self.target_cache, self.draft_cache):
             select_rows(cache, index)
         state.select(index)
 
     def _output(self) -> DFlashGenerateOutput:
+        """The sequences (finished rows right-padded) and the statistics of the call."""
         total = max(self.lengths)
         sequences = self.sequences[:, :total].clone()
         for row, length in enumerate(self.lengths):
@@ -511,13 +400,13 @@ def custom_generate(
         )
     if synced_gpus:
         raise ValueError("DFlash generation does not support `synced_gpus` (DeepSpeed ZeRO-3 / FSDP generation).")
-    _check_request(generation_config)
+    check_request(generation_config)
     input_ids, attention_mask = check_inputs(model, input_ids, model_kwargs.get("attention_mask"))
     longest = input_ids.shape[1] if attention_mask is None else int(attention_mask.sum(-1).max())
     check_context_length(model, longest, int(generation_config.max_length) - input_ids.shape[1])
     if streamer is None:
         streamer = _streamer_of_calling_generate()
-    decoder = _Decoder(
+    decoder = _GenerationCall(
         target=model,
         drafter=drafter,
         input_ids=input_ids,

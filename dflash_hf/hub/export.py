@@ -22,15 +22,14 @@ from typing import Any
 
 import torch
 from huggingface_hub import metadata_load, try_to_load_from_cache
-from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
-from .adapters import TargetAdapter
-from .fileio import set_ordinary_mode
-from .hub_cards import render_model_card
-from .modeling import DFlashConfig, DFlashDraftModel
+from ..engine.adapters import TargetAdapter
+from ..fileio import set_ordinary_mode
+from ..hub_cards import render_model_card
+from ..modeling import DFlashConfig, DFlashDraftModel
+from ..targets import TARGETS, is_hub_id, resolve_target_dir
 from .official import OFFICIAL_MODELING_FILE, to_official_config
-from .targets import TARGETS, resolve_target_dir
 
 EXPORT_FORMATS = ("dflash-hf", "official")
 DFLASH_HF_AUTO_MAP = {
@@ -65,14 +64,6 @@ def _check_pairing(drafter: DFlashDraftModel, target: Any, text_config: PreTrain
         with torch.device("meta"):  # shapes only: no memory, no weights
             target = AutoModelForCausalLM.from_config(text_config)
     TargetAdapter.for_drafter(target, drafter)
-
-
-def _is_repo_id(name: str) -> bool:
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
 
 
 def _target_license(target_name: str, base_model: str) -> dict[str, str]:
@@ -175,7 +166,7 @@ def export(
     _check_pairing(drafter, target, text_config)
     if base_model is None and target_name and not os.path.exists(target_name):
         base_model = target_name
-    if base_model is None or not _is_repo_id(base_model):
+    if base_model is None or not is_hub_id(base_model):
         raise ValueError(
             f"Cannot tell the target's Hub id from {base_model or target_name or 'the target'!r} (the card's "
             "`base_model`): pass base_model='org/name' (`--base-model org/name`)."

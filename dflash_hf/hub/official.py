@@ -15,7 +15,7 @@ from typing import Any
 
 import transformers
 
-from .modeling import DFlashConfig
+from ..modeling import DFlashConfig
 
 OFFICIAL_MODEL_TYPE = "qwen3"
 OFFICIAL_ARCHITECTURE = "DFlashDraftModel"

@@ -1,0 +1,39 @@
+"""Benchmark DFlash against its peers on one target, one drafter and one prompt set, in one process.
+
+`methods` defines what is compared and how each method is measured, `run` decodes and compares, `report` writes
+`bench.json`, `bench.md` and the plots. How every number is derived: docs/design.md, "Benchmark".
+
+    >>> from dflash_hf import bench
+    >>> from dflash_hf.data.prompts import load_bench_prompts
+    >>> prompts, _ = load_bench_prompts("humaneval", tokenizer, num_prompts=10)
+    >>> result = bench.run_bench(target, drafter, prompts, max_new_tokens=128)
+    >>> print(bench.markdown_table(result))
+    >>> bench.write_outputs(result, "bench-out")            # bench.json, bench.md and the PNG plots
+    >>> print(bench.render_markdown("bench-out/bench.json"))  # README results section
+"""
+
+from ..data.prompts import PROMPT_SETS, BenchPrompt, load_bench_prompts
+from .methods import DEFAULT_BLOCK_SIZES, BenchMethod, MethodRun, default_methods
+from .report import JSON_NAME, MARKDOWN_NAME, PLOT_NAMES, markdown_table, render_markdown, write_outputs, write_plots
+from .run import BENCH_FORMAT, BenchResult, hardware_info, run_bench
+
+__all__ = [
+    "BENCH_FORMAT",
+    "DEFAULT_BLOCK_SIZES",
+    "JSON_NAME",
+    "MARKDOWN_NAME",
+    "PLOT_NAMES",
+    "PROMPT_SETS",
+    "BenchMethod",
+    "BenchPrompt",
+    "BenchResult",
+    "MethodRun",
+    "default_methods",
+    "hardware_info",
+    "load_bench_prompts",
+    "markdown_table",
+    "render_markdown",
+    "run_bench",
+    "write_outputs",
+    "write_plots",
+]

@@ -1,0 +1,247 @@
+"""The decoding methods a bench compares, and how each one is run and measured on one prompt.
+
+Transformers' own methods (`greedy`, `prompt_lookup`, `native_dflash`) are measured from outside with module hooks
+([`_TargetWatch`]); this package's engine reports its own statistics. docs/design.md ("Benchmark") says how every
+number is derived.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from ..engine.generation import generate
+from ..modeling import DFlashDraftModel
+from ..runtime import Stopwatch, clock
+
+DEFAULT_BLOCK_SIZES = (4, 8, 16)
+
+
+@dataclass
+class MethodRun:
+    """What one method produced on one prompt.
+
+    Attributes:
+        new_tokens: The generated token ids (prompt excluded).
+        seconds: Wall time of the whole call, prefill included.
+        accepted_lengths: Tokens committed by each target forward after the prefill (one entry per cycle).
+        block_sizes: Block tokens (anchor + drafts) of each cycle where the method reports it (our engine), else
+            `None`.
+        draft_time / verify_time / prefill_time: Seconds spent drafting, verifying (after the prefill) and in the
+            prefill, or `None` where the method does not measure it.
+    """
+
+    new_tokens: list[int]
+    seconds: float
+    accepted_lengths: list[int]
+    block_sizes: list[int] | None = None
+    draft_time: float | None = None
+    verify_time: float | None = None
+    prefill_time: float | None = None
+
+
+MethodRunner = Callable[[torch.LongTensor, int], MethodRun]
+"""Decodes one prompt `(1, length)` greedily with at most `max_new_tokens` new tokens."""
+
+
+@dataclass
+class BenchMethod:
+    """A decoding method under test: a name for the JSON, a label for tables and plots, and its runner."""
+
+    name: str
+    label: str
+    run: MethodRunner
+    description: str = ""
+    block_size: int | None = None
+
+
+class _TargetWatch:
+    """Module hooks that count, time and locate the target's forwards (and time the drafter) during one call."""
+
+    def __init__(self, target: PreTrainedModel, drafter: nn.Module | None = None) -> None:
+        self.device = target.device
+        self.cache_lengths: list[int] = []  # tokens in the target's KV cache when each decoder forward starts
+        self.target_seconds: list[float] = []  # wall time of each full target forward (decoder + LM head)
+        self.draft_seconds = 0.0
+        self._depth = 0
+        self._handles = [
+            target.get_decoder().register_forward_pre_hook(self._on_decoder, with_kwargs=True),
+            target.register_forward_pre_hook(self._enter_target),
+            target.register_forward_hook(self._leave_target),
+        ]
+        if drafter is not None:
+            lm_head = target.get_output_embeddings()
+            for module in (drafter, lm_head):
+                self._handles += [
+                    module.register_forward_pre_hook(self._start_draft),
+                    module.register_forward_hook(self._stop_draft),
+                ]
+
+    def _on_decoder(self, _module, args, kwargs) -> None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is not None:
+            self.cache_lengths.append(int(cache.get_seq_length()))
+            return
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            raise ValueError("Cannot locate the target's forwards: it was called without a cache or position ids.")
+        self.cache_lengths.append(int(positions[0, 0]))
+
+    def _enter_target(self, _module, _args) -> None:
+        self._depth += 1
+        self._target_start = clock(self.device)
+
+    def _leave_target(self, _module, _args, _output) -> None:
+        self._depth -= 1
+        self.target_seconds.append(clock(self.device) - self._target_start)
+
+    def _start_draft(self, _module, _args) -> None:
+        if self._depth == 0:  # the LM head inside the target's own forward is verification, not drafting
+            self._draft_start = clock(self.device)
+
+    def _stop_draft(self, _module, _args, _output) -> None:
+        if self._depth == 0:
+            self.draft_seconds += clock(self.device) - self._draft_start
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def accepted_lengths(self, prompt_length: int, total_length: int) -> list[int]:
+        """Tokens committed by each forward after the prefill (see the module docstring)."""
+        starts = self.cache_lengths[1:]
+        ends = starts[1:] + [total_length - 1]
+        lengths = [end - start for start, end in zip(starts, ends)]
+        prefill_ok = self.cache_lengths[:1] == [0] and (not starts or starts[0] >= prompt_length)
+        if not prefill_ok or any(n < 1 for n in lengths):
+            raise ValueError(
+                f"Cannot follow this Transformers version's decoding: the target's forwards started at cache lengths "
+                f"{self.cache_lengths} for a {prompt_length}-token prompt and a {total_length}-token result."
+            )
+        return lengths
+
+
+def _transformers_runner(
+    target: PreTrainedModel, drafter: DFlashDraftModel | None = None, **generate_kwargs: Any
+) -> MethodRunner:
+    """Runner for `target.generate(...)` with extra keyword arguments, measured with [`_TargetWatch`]."""
+
+    def run(input_ids: torch.LongTensor, max_new_tokens: int) -> MethodRun:
+        watch, stopwatch = _TargetWatch(target, drafter), Stopwatch(input_ids.device)
+        try:
+            with stopwatch:
+                sequences = target.generate(
+                    input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    **generate_kwargs,
+                )
+        finally:
+            watch.close()
+        prompt_length = input_ids.shape[1]
+        return MethodRun(
+            new_tokens=sequences[0, prompt_length:].tolist(),
+            seconds=stopwatch.total,
+            accepted_lengths=watch.accepted_lengths(prompt_length, sequences.shape[1]),
+            draft_time=watch.draft_seconds if drafter is not None else None,
+            verify_time=sum(watch.target_seconds[1:]),
+            prefill_time=watch.target_seconds[0] if watch.target_seconds else None,
+        )
+
+    return run
+
+
+def _engine_runner(target: PreTrainedModel, drafter: DFlashDraftModel, block_size: int | str) -> MethodRunner:
+    """Runner for this package's engine, [`dflash_hf.generate`], at one block size (or `"adaptive"`)."""
+
+    def run(input_ids: torch.LongTensor, max_new_tokens: int) -> MethodRun:
+        with Stopwatch(input_ids.device) as stopwatch:
+            out = generate(
+                target,
+                drafter,
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                block_size=block_size,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                return_dict_in_generate=True,
+            )
+        return MethodRun(
+            new_tokens=out.sequences[0, input_ids.shape[1] :].tolist(),
+            seconds=stopwatch.total,
+            accepted_lengths=list(out.accepted_lengths[0]) if out.accepted_lengths else [],
+            block_sizes=list(out.block_sizes[0]) if out.block_sizes else [],
+            draft_time=out.draft_time,
+            verify_time=out.verify_time,
+            prefill_time=out.prefill_time,
+        )
+
+    return run
+
+
+def default_methods(
+    target: PreTrainedModel,
+    drafter: DFlashDraftModel,
+    block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES,
+    prompt_lookup_num_tokens: int = 10,
+    adaptive: bool = True,
+) -> list[BenchMethod]:
+    """The methods of the module docstring, in order; engine block sizes above the drafter's trained one are left out.
+
+    Args:
+        target: The target model.
+        drafter: A DFlash drafter built for `target`.
+        block_sizes: Fixed block sizes for our engine (each >= 2; those above the drafter's block size are dropped).
+        prompt_lookup_num_tokens: Candidate tokens per prompt-lookup cycle.
+        adaptive: Include `dflash_adaptive`.
+    """
+    trained = int(drafter.config.block_size)
+    bad = [b for b in block_sizes if int(b) < 2]
+    if bad:
+        raise ValueError(f"Block sizes must be >= 2 (anchor + at least one draft), got {bad}.")
+    if prompt_lookup_num_tokens < 1:
+        raise ValueError(f"prompt_lookup_num_tokens must be >= 1, got {prompt_lookup_num_tokens}.")
+    sizes = sorted({int(b) for b in block_sizes if int(b) <= trained})
+    if not sizes and block_sizes:
+        raise ValueError(
+            f"None of the block sizes {list(block_sizes)} fits the drafter's trained block size {trained}: pass block "
+            f"sizes <= {trained}."
+        )
+    methods = [
+        BenchMethod("greedy", "plain greedy", _transformers_runner(target), "target.generate(do_sample=False)"),
+        BenchMethod(
+            "prompt_lookup",
+            f"prompt lookup (k={prompt_lookup_num_tokens})",
+            _transformers_runner(target, prompt_lookup_num_tokens=prompt_lookup_num_tokens),
+            f"target.generate(prompt_lookup_num_tokens={prompt_lookup_num_tokens})",
+        ),
+        BenchMethod(
+            "native_dflash",
+            f"Transformers DFlash (B={trained})",
+            _transformers_runner(target, drafter, assistant_model=drafter, speculation_type="dflash"),
+            'target.generate(assistant_model=drafter, speculation_type="dflash")',
+            block_size=trained,
+        ),
+    ]
+    methods += [
+        BenchMethod(f"dflash_b{size}", f"dflash-hf B={size}", _engine_runner(target, drafter, size),
+                    f"dflash_hf.generate(block_size={size})", block_size=size)
+        for size in sizes
+    ]
+    if adaptive:
+        methods.append(
+            BenchMethod(
+                "dflash_adaptive",
+                f"dflash-hf adaptive (B<={trained})",
+                _engine_runner(target, drafter, "adaptive"),
+                'dflash_hf.generate(block_size="adaptive")',
+                block_size=trained,
+            )
+        )
+    return methods

@@ -1,0 +1,203 @@
+"""Reports of a bench result: the Markdown table, the README results section and the PNG plots."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ..fileio import atomic_write, atomic_write_text
+from .run import BENCH_FORMAT, BenchResult
+
+JSON_NAME = "bench.json"
+MARKDOWN_NAME = "bench.md"
+PLOT_NAMES = {
+    "speedup": "speedup.png",
+    "accepted_lengths": "accepted_lengths.png",
+    "acceptance_by_slot": "acceptance_by_slot.png",
+}
+
+
+def _as_document(result: BenchResult | dict[str, Any] | str | os.PathLike) -> dict[str, Any]:
+    if isinstance(result, BenchResult):
+        return result.to_json()
+    if isinstance(result, dict):
+        return result
+    path = Path(result)
+    try:
+        document = json.loads(path.read_text())
+    except FileNotFoundError as err:
+        raise ValueError(f"No bench results at {path}: run `dflash-hf bench --out DIR` first.") from err
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err.msg}); rerun `dflash-hf bench`.") from err
+    if not isinstance(document, dict) or document.get("format") != BENCH_FORMAT:
+        raise ValueError(f"{path} is not a `dflash-hf bench` result ({BENCH_FORMAT}).")
+    return document
+
+
+def _fmt(value: float | None, digits: int = 2, suffix: str = "", empty: str = "n/a") -> str:
+    return empty if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def markdown_table(result: BenchResult | dict[str, Any] | str | os.PathLike) -> str:
+    """The per-method results as a Markdown table (from a result, its JSON document, or the path of `bench.json`)."""
+    document = _as_document(result)
+    lines = [
+        "| Method | mean block | tau | tokens/s | speedup | draft ms/cycle | verify ms/cycle | exact |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for method in document["methods"]:
+        summary = method["summary"]
+        exact = "yes" if summary["exact"] else f"**NO** (prompts {', '.join(map(str, summary['mismatched_prompts']))})"
+        lines.append(
+            f"| {method['label']} | {_fmt(summary['mean_block_size'], 1, empty='-')} | {_fmt(summary['tau'])} "
+            f"| {_fmt(summary['tokens_per_s'])} "
+            f"| {_fmt(summary['speedup'], suffix='x')} | {_fmt(summary['draft_ms_per_cycle'], 1)} "
+            f"| {_fmt(summary['verify_ms_per_cycle'], 1)} | {exact} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def render_markdown(
+    result: BenchResult | dict[str, Any] | str | os.PathLike,
+    plots_prefix: str | None = None,
+    heading: str = "## Results",
+) -> str:
+    """README results section: table, plot references, hardware, date and the exact command, from a bench result.
+
+    Args:
+        result: A [`BenchResult`], its JSON document, or the path of a `bench.json`.
+        plots_prefix: Path of the plot folder as seen from the README (default: the folder of `bench.json` when a
+            path is given, else the current folder).
+        heading: The section heading line.
+    """
+    document = _as_document(result)
+    if plots_prefix is None:
+        plots_prefix = str(Path(result).parent) if isinstance(result, (str, os.PathLike)) else "."
+    prefix = plots_prefix.rstrip("/") + "/" if plots_prefix not in ("", ".") else ""
+    settings, hardware = document["settings"], document["hardware"]
+    prompts = settings.get("prompt_set") or {}
+    source = prompts.get("description", settings.get("prompts", "custom prompts"))
+    gpu = f", GPU {hardware['gpu']}" if hardware.get("gpu") else ""
+    drafter = str(settings.get("drafter", "given")).replace("\\", "/")
+    in_package = drafter.split("/dflash_hf/bundled/")
+    drafter = f"the bundled drafter `dflash_hf/bundled/{in_package[1]}`" if len(in_package) == 2 else f"the drafter `{drafter}`"
+    lines = [
+        heading,
+        "",
+        f"{settings.get('target', settings.get('target_model_type'))} with {drafter} "
+        f"(trained block size {settings['drafter_block_size']}): "
+        f"{settings['num_prompts']} prompts of {source}, greedy, at most {settings['max_new_tokens']} new tokens, "
+        f"batch 1, {settings['dtype']}.",
+        "",
+        markdown_table(document).rstrip("\n"),
+        "",
+        "Speedup is tokens/s over plain greedy `target.generate` in the same process on the same prompts; tau is "
+        "tokens committed per target forward after the prefill; exact means every output equals plain greedy's, token "
+        "for token.",
+        "",
+        f"![Speedup by method]({prefix}{PLOT_NAMES['speedup']})",
+        f"![Accepted lengths]({prefix}{PLOT_NAMES['accepted_lengths']})",
+        f"![Acceptance rate by block slot]({prefix}{PLOT_NAMES['acceptance_by_slot']})",
+        "",
+        f"Hardware: {hardware['cpu']} ({hardware['torch_threads']} torch threads of {hardware['cpus_available']} "
+        f"CPUs available{gpu}, device {hardware['device']}); torch {hardware['torch']}, transformers "
+        f"{hardware['transformers']}, Python {hardware['python']}.",
+        f"Date: {document['date']}.",
+    ]
+    if document.get("command"):
+        lines += ["", "Command:", "", "```bash", document["command"], "```"]
+    if not document["exact"]:
+        lines += ["", f"**Warning: {len(document['mismatches'])} output(s) differ from plain greedy decoding.**"]
+    return "\n".join(lines) + "\n"
+
+
+def _plot_speedup(document: dict[str, Any], axes) -> None:
+    methods = [m for m in document["methods"] if m["summary"]["speedup"] is not None]
+    labels = [m["label"] for m in methods]
+    values = [m["summary"]["speedup"] for m in methods]
+    colors = ["tab:blue" if m["summary"]["exact"] else "tab:red" for m in methods]
+    bars = axes.barh(range(len(methods)), values, color=colors)
+    axes.set_yticks(range(len(methods)), labels)
+    axes.invert_yaxis()
+    axes.axvline(1.0, color="black", linewidth=0.8)
+    axes.bar_label(bars, labels=[f"{v:.2f}x" for v in values], padding=3)
+    axes.set_xlabel("speedup over plain greedy (tokens/s ratio); red: output differs from greedy")
+    axes.set_xlim(0, max(values + [1.0]) * 1.2)
+    axes.set_title("Speedup by method")
+
+
+def _speculative(document: dict[str, Any]) -> list[dict[str, Any]]:
+    reference = document["methods"][0]["name"]
+    return [m for m in document["methods"] if m["name"] != reference]
+
+
+def _plot_accepted_lengths(document: dict[str, Any], axes) -> None:
+    methods = _speculative(document)
+    longest = max((len(m["summary"]["accepted_length_histogram"]) for m in methods), default=1)
+    width = 0.8 / max(len(methods), 1)
+    for i, method in enumerate(methods):
+        histogram = method["summary"]["accepted_length_histogram"]
+        cycles = max(method["summary"]["cycles"], 1)
+        xs = [int(n) + (i - (len(methods) - 1) / 2) * width for n in histogram]
+        axes.bar(xs, [count / cycles for count in histogram.values()], width=width, label=method["label"])
+    axes.set_xticks(range(1, longest + 1))
+    axes.set_xlabel("tokens committed per target forward (accepted drafts + 1)")
+    axes.set_ylabel("fraction of cycles")
+    axes.set_title("Accepted lengths")
+    if methods:
+        axes.legend(fontsize="small")
+
+
+def _plot_acceptance_by_slot(document: dict[str, Any], axes) -> None:
+    methods = [m for m in _speculative(document) if m["block_size"] is not None]
+    for i, method in enumerate(methods):
+        rates = method["summary"]["acceptance_rate_by_slot"]
+        axes.plot(
+            range(1, len(rates) + 1), rates, marker="os^vDP"[i % 6], linestyle=("-", "--", ":")[i % 3],
+            label=method["label"],
+        )
+    axes.set_xlabel("draft slot (1 = first drafted token)")
+    axes.set_ylabel("fraction of cycles with the slot accepted")
+    axes.set_ylim(0, 1.05)
+    axes.set_title("Acceptance rate by block slot")
+    if methods:
+        axes.legend(fontsize="small")
+
+
+def write_plots(result: BenchResult | dict[str, Any] | str | os.PathLike, out_dir: str | os.PathLike) -> list[Path]:
+    """Write the PNG plots (speedup by method, accepted-length histogram, acceptance by slot); returns their paths."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    document = _as_document(result)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for key, draw in (
+        ("speedup", _plot_speedup),
+        ("accepted_lengths", _plot_accepted_lengths),
+        ("acceptance_by_slot", _plot_acceptance_by_slot),
+    ):
+        figure = Figure(figsize=(8, 4.5), layout="constrained")
+        FigureCanvasAgg(figure)
+        draw(document, figure.add_subplot())
+        path = out / PLOT_NAMES[key]
+        atomic_write(path, functools.partial(figure.savefig, format="png", dpi=120))
+        paths.append(path)
+    return paths
+
+
+def write_outputs(result: BenchResult, out_dir: str | os.PathLike) -> dict[str, Path]:
+    """Write `bench.json`, `bench.md` (the README section) and the plots into `out_dir`, each file atomically."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    document = result.to_json()
+    paths = {"json": out / JSON_NAME, "markdown": out / MARKDOWN_NAME}
+    atomic_write_text(paths["json"], json.dumps(document, indent=1) + "\n")
+    atomic_write_text(paths["markdown"], render_markdown(document, "."))
+    for path in write_plots(document, out):
+        paths[path.stem] = path
+    return paths

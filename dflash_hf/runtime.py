@@ -1,0 +1,59 @@
+"""What the machine offers a run: the default device and dtype, CUDA-synchronised wall clocks, available CPUs."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the platform has one)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+
+
+def default_device() -> str:
+    """`cuda` when a GPU is available, else `cpu`."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(name: str | torch.dtype, device: str | torch.device | None = None) -> torch.dtype:
+    """`auto` -> bfloat16 on CUDA, float32 elsewhere; else `float32`/`bfloat16`/`float16` (or a `torch.dtype`)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise ValueError(f"Unknown dtype {name!r}: use auto, float32, bfloat16 or float16.")
+    return table[name]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (CUDA only; a no-op elsewhere)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def clock(device: torch.device) -> float:
+    """`time.perf_counter()` once the work queued on `device` is done."""
+    synchronize(device)
+    return time.perf_counter()
+
+
+class Stopwatch:
+    """Accumulates the wall time of the code regions it wraps (`with watch: ...`), synchronising `device`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.total = 0.0
+
+    def __enter__(self) -> Stopwatch:
+        self._start = clock(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.total += clock(self.device) - self._start
