@@ -1,4 +1,5 @@
-"""`accelerate launch --num_processes 2 --cpu examples/train.py` really trains (DDP over gloo) and exports."""
+"""`accelerate launch --num_processes 2 --cpu examples/train.py --config recipe.yaml` really trains (DDP over gloo)
+and exports; command-line flags override the recipe."""
 
 from __future__ import annotations
 
@@ -32,14 +33,18 @@ def test_accelerate_two_process_cpu_run(tmp_path):
         assert cli_main(["make-data", "--target", str(tmp_path / "target"), "--prompts", str(src), "--out",
                          str(tmp_path / "data"), "--max-new-tokens", "12", "--held-out-fraction", "0",
                          "--device", "cpu", "--quiet"]) == 0
+    recipe = tmp_path / "recipe.yaml"  # a TRL-style recipe, as in examples/recipes/
+    recipe.write_text(
+        f"target: {tmp_path / 'target'}\ndata: {tmp_path / 'data'}\noutput_dir: {tmp_path / 'elsewhere'}\n"
+        "max_steps: 5\nsave_steps: 1\nblock_size: 4\nnum_draft_layers: 1\nnum_target_features: 2\nnum_anchors: 8\n"
+        "per_device_train_batch_size: 2\nlogging_steps: 1\ndisable_tqdm: true\nuse_cpu: true\nreport_to: none\n"
+        "base_model: test-org/tiny-qwen3\n"
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [
         accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-        "--dynamo_backend", "no", str(ROOT / "examples" / "train.py"),
-        "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data"), "--output_dir", str(tmp_path / "run"),
-        "--max_steps", "2", "--save_steps", "1", "--block_size", "4", "--num_draft_layers", "1",
-        "--num_target_features", "2", "--num_anchors", "8", "--per_device_train_batch_size", "2",
-        "--logging_steps", "1", "--disable_tqdm", "true", "--use_cpu", "true", "--report_to", "none", "--base_model", "test-org/tiny-qwen3",
+        "--dynamo_backend", "no", str(ROOT / "examples" / "train.py"), "--config", str(recipe),
+        "--output_dir", str(tmp_path / "run"), "--max_steps", "2",  # flags override the recipe file
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
