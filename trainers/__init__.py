@@ -6,6 +6,7 @@
     >>> trainer.train()
 """
 
+from .collator import DFlashDataCollator
 from .config import DFlashTrainingConfig
 from .masks import (
     block_attention_mask,
@@ -16,7 +17,7 @@ from .masks import (
     sample_anchors,
     slot_loss_weights,
 )
-from .trainer import DFlashDataCollator, DFlashTrainer
+from .trainer import DFlashTrainer
 
 __all__ = [
     "DFlashDataCollator",

@@ -36,7 +36,6 @@ with pickle files is refused. Hence single-process or DDP training only (DeepSpe
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +45,6 @@ from transformers.cache_utils import DynamicCache
 from transformers.training_args import ParallelMode
 from transformers.utils import logging
 
-from dflash_hf.data.batching import pad
 from dflash_hf.engine.adapters import TargetAdapter
 from dflash_hf.fileio import set_ordinary_mode
 from dflash_hf.targets import first_token_id
@@ -70,6 +68,7 @@ from .checkpoint_io import (
     save_training_args,
     staging_folder,
 )
+from .collator import DFlashDataCollator
 from .config import DFlashTrainingConfig
 from .initialisation import initialise_from_target
 from .masks import (
@@ -85,57 +84,73 @@ from .vocabulary import frequent_response_tokens
 logger = logging.get_logger(__name__)
 
 
-class DFlashDataCollator:
-    """Right-pads `input_ids`/`loss_mask` (and offline `target_hidden` / `target_final_hidden`), truncates to `max_length`."""
-
-    def __init__(self, pad_token_id: int = 0, max_length: int | None = None) -> None:
-        self.pad_token_id = int(pad_token_id)
-        self.max_length = max_length
-
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        if not features:
-            raise ValueError("Empty batch.")
-        for key in ("input_ids", "loss_mask"):
-            if key not in features[0]:
-                raise ValueError(
-                    f"Training rows need `input_ids` and `loss_mask` (got columns {sorted(features[0])}); make the "
-                    "dataset with `dflash-hf make-data`."
-                )
-        ids = [torch.as_tensor(f["input_ids"], dtype=torch.long) for f in features]
-        masks = [torch.as_tensor(f["loss_mask"], dtype=torch.long) for f in features]
-        if self.max_length is not None:
-            ids = [t[: self.max_length] for t in ids]
-            masks = [t[: self.max_length] for t in masks]
-        for t, m in zip(ids, masks):
-            if t.shape != m.shape:
-                raise ValueError(f"input_ids ({t.numel()}) and loss_mask ({m.numel()}) lengths differ in a row.")
-        batch = {
-            "input_ids": pad(ids, self.pad_token_id),
-            "loss_mask": pad(masks, 0),
-            "attention_mask": pad([torch.ones_like(t) for t in ids], 0),
-        }
-        for key in ("target_hidden", "target_final_hidden"):
-            if key in features[0]:
-                batch[key] = _pad_cached(key, [torch.as_tensor(f[key]) for f in features], ids)
-        return batch
-
-
-def _pad_cached(key: str, hidden: list[torch.Tensor], ids: list[torch.Tensor]) -> torch.Tensor:
-    """Right-pad per-token cached features `(n_i, width)` of each row to `(batch, longest row, width)`."""
-    for row, h in enumerate(hidden):
-        if h.shape[0] < ids[row].numel():
-            raise ValueError(
-                f"Cached `{key}` covers {h.shape[0]} tokens but the row has {ids[row].numel()}: the features were "
-                "cached with a smaller max length; rerun `dflash-hf cache-features` with --max-length >= the "
-                "training max_length."
-            )
-    return pad([h[: row_ids.numel()] for h, row_ids in zip(hidden, ids)], 0)
-
-
 def _resolve_attention(backend: str, device: torch.device) -> str:
     if backend == "auto":
         return "flex_attention" if device.type == "cuda" else "sdpa"
     return backend
+
+
+def _resolve_drafter(model, args: DFlashTrainingConfig, target: PreTrainedModel, train_dataset, processing_class):
+    """The drafter to train: loaded from a path (fp32 master weights whatever its saved dtype), or a new one built from
+    the target (optionally initialised from its top layers, with a reduced draft vocabulary); checked against `args`."""
+    if isinstance(model, str):
+        model = DFlashDraftModel.from_pretrained(model, dtype=torch.float32)
+    if model is None:
+        model = DFlashDraftModel(
+            DFlashConfig.from_target(
+                target.config,
+                num_hidden_layers=args.num_draft_layers,
+                block_size=args.block_size,
+                num_target_features=args.num_target_features,
+                mask_token_id=args.mask_token_id,
+                target_layer_ids=args.target_layer_ids,
+                tokenizer=processing_class,
+                draft_vocab_size=args.draft_vocab_size,
+            )
+        )
+        if args.init_from_target:
+            copied = initialise_from_target(model, target)
+            logger.info(f"Drafter layers initialised from target layers {copied}.")
+        if args.draft_vocab_size is not None:
+            if train_dataset is None:
+                raise ValueError("draft_vocab_size needs the training data to choose the most frequent tokens.")
+            vocab_size = int(target.get_input_embeddings().weight.shape[0])
+            model.set_draft_vocabulary(frequent_response_tokens(train_dataset, args.draft_vocab_size, vocab_size))
+    if not isinstance(model, DFlashDraftModel):
+        raise ValueError(f"model must be a DFlashDraftModel (or a path to one), got {type(model).__name__}.")
+    if int(model.config.block_size) != int(args.block_size):
+        raise ValueError(
+            f"The drafter was built for block_size {model.config.block_size} but the training config says "
+            f"{args.block_size}: pass --block_size {model.config.block_size} (or start a new drafter)."
+        )
+    if args.target_layer_ids is not None and list(args.target_layer_ids) != list(model.config.target_layer_ids):
+        raise ValueError(
+            f"The drafter taps target layers {model.config.target_layer_ids} but the training config says "
+            f"{args.target_layer_ids}: drop --target_layer_ids or start a new drafter."
+        )
+    return model
+
+
+def _training_dataset(train_dataset, args: DFlashTrainingConfig, model: DFlashDraftModel):
+    """The training rows as the trainer reads them: with cached features attached (offline) and cut to
+    `max_train_samples`."""
+    if train_dataset is None:
+        return None
+    if args.features == "offline":
+        from dflash_hf.data.features import OfflineFeatureDataset
+
+        if not isinstance(train_dataset, OfflineFeatureDataset):
+            train_dataset = OfflineFeatureDataset(train_dataset, args.features_dir, model.config.target_layer_ids)
+        if float(args.distill_weight) > 0 and not train_dataset.has_final_hidden:
+            raise ValueError(
+                f"distill_weight={args.distill_weight} needs the target's final hidden states, but the features in "
+                f"{args.features_dir} were cached without them: recache with `dflash-hf cache-features` (without "
+                "--no-final-hidden), use features='online', or set distill_weight 0."
+            )
+    if args.max_train_samples is not None:
+        count = min(int(args.max_train_samples), len(train_dataset))
+        train_dataset = torch.utils.data.Subset(train_dataset, range(count))
+    return train_dataset
 
 
 class DFlashTrainer(Trainer):
@@ -177,49 +192,13 @@ class DFlashTrainer(Trainer):
                 f"args must be a DFlashTrainingConfig, got {type(args).__name__}: build it with "
                 "`DFlashTrainingConfig(output_dir=..., ...)`."
             )
-        # long because it resolves, in order, what `Trainer.__init__` needs resolved first (drafter, target, datasets
-        # and cached features, collator, attention backend); splitting it would scatter that order
+        # resolves, in order, what `Trainer.__init__` needs first: drafter, target, datasets, collator
         if target is None:
             raise ValueError(
                 "DFlashTrainer needs the frozen `target` model: the drafter is conditioned on its hidden states and "
                 "shares its embedding and LM head."
             )
-        if isinstance(model, str):  # train in fp32 master weights whatever dtype the checkpoint was saved in
-            model = DFlashDraftModel.from_pretrained(model, dtype=torch.float32)
-        if model is None:
-            mask_token_id = args.mask_token_id
-            model = DFlashDraftModel(
-                DFlashConfig.from_target(
-                    target.config,
-                    num_hidden_layers=args.num_draft_layers,
-                    block_size=args.block_size,
-                    num_target_features=args.num_target_features,
-                    mask_token_id=mask_token_id,
-                    target_layer_ids=args.target_layer_ids,
-                    tokenizer=processing_class,
-                    draft_vocab_size=args.draft_vocab_size,
-                )
-            )
-            if args.init_from_target:
-                copied = initialise_from_target(model, target)
-                logger.info(f"Drafter layers initialised from target layers {copied}.")
-            if args.draft_vocab_size is not None:
-                if train_dataset is None:
-                    raise ValueError("draft_vocab_size needs the training data to choose the most frequent tokens.")
-                vocab_size = int(target.get_input_embeddings().weight.shape[0])
-                model.set_draft_vocabulary(frequent_response_tokens(train_dataset, args.draft_vocab_size, vocab_size))
-        if not isinstance(model, DFlashDraftModel):
-            raise ValueError(f"model must be a DFlashDraftModel (or a path to one), got {type(model).__name__}.")
-        if int(model.config.block_size) != int(args.block_size):
-            raise ValueError(
-                f"The drafter was built for block_size {model.config.block_size} but the training config says "
-                f"{args.block_size}: pass --block_size {model.config.block_size} (or start a new drafter)."
-            )
-        if args.target_layer_ids is not None and list(args.target_layer_ids) != list(model.config.target_layer_ids):
-            raise ValueError(
-                f"The drafter taps target layers {model.config.target_layer_ids} but the training config says "
-                f"{args.target_layer_ids}: drop --target_layer_ids or start a new drafter."
-            )
+        model = _resolve_drafter(model, args, target, train_dataset, processing_class)
 
         self.target = target
         self.target.requires_grad_(False)
@@ -236,20 +215,7 @@ class DFlashTrainer(Trainer):
             self.target_to_draft = torch.full((self.adapter.vocab_size,), -100, dtype=torch.long)
             self.target_to_draft[self.draft_token_ids] = torch.arange(self.draft_token_ids.numel())
 
-        if args.features == "offline":
-            from dflash_hf.data.features import OfflineFeatureDataset
-
-            if train_dataset is not None and not isinstance(train_dataset, OfflineFeatureDataset):
-                train_dataset = OfflineFeatureDataset(train_dataset, args.features_dir, model.config.target_layer_ids)
-            if self.distill_weight > 0 and not getattr(train_dataset, "has_final_hidden", True):
-                raise ValueError(
-                    f"distill_weight={self.distill_weight} needs the target's final hidden states, but the features in "
-                    f"{args.features_dir} were cached without them: recache with `dflash-hf cache-features` (without "
-                    "--no-final-hidden), use features='online', or set distill_weight 0."
-                )
-        if args.max_train_samples is not None and train_dataset is not None:
-            count = min(int(args.max_train_samples), len(train_dataset))
-            train_dataset = torch.utils.data.Subset(train_dataset, range(count))
+        train_dataset = _training_dataset(train_dataset, args, model)
         if data_collator is None:
             pad_id = first_token_id(
                 getattr(processing_class, "pad_token_id", None), getattr(processing_class, "eos_token_id", None)

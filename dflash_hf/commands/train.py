@@ -111,9 +111,8 @@ def _resolve_resume(value, output_dir: str):
 
 def train(script: DFlashScriptArguments, config) -> dict:
     """Run training end to end; returns a summary (also written to `OUTPUT_DIR/train_summary.json`)."""
-    # a straight sequence (load data and target, check their pairing, train, export, summarise), kept in one place so
-    # that `dflash-hf train` and `examples/train.py` read as one recipe
     from dflash_hf.data.make import load_training_data, read_manifest
+    from dflash_hf.fileio import atomic_write_text
     from dflash_hf.targets import load_target
     from dflash_hf.trainers import DFlashTrainer
 
@@ -157,39 +156,44 @@ def train(script: DFlashScriptArguments, config) -> dict:
     if trainer.is_world_process_zero():
         drafter = trainer.accelerator.unwrap_model(trainer.model)
         export_dir = script.export_dir or os.path.join(config.output_dir, "final")
-        training_facts = {
-            "data": manifest.get("source") if manifest else script.data,
-            "samples": len(trainer.train_dataset),
-            "steps": trainer.state.global_step,
-            "epochs": config.num_train_epochs,
-            "block_size": config.block_size,
-            "num_anchors": config.num_anchors,
-            "loss_decay_gamma": config.loss_decay_gamma,
-            "learning_rate": config.learning_rate,
-            "effective_batch_size": config.per_device_train_batch_size
-            * config.gradient_accumulation_steps
-            * trainer.args.world_size,
-            "features": config.features,
-            "distill_weight": config.distill_weight,
-            "init_from_target": config.init_from_target,
-            "optimizer": "muon+adamw" if config.muon else "adamw",
-            "precision": "bf16 autocast" if config.bf16 else ("fp16 autocast" if config.fp16 else "fp32"),
-            "wall_time_s": round(wall, 1),
-            "final_train_loss": round(float(result.training_loss), 4),
-        }
-        for key in ("accuracy", "acceptance_length", "acceptance_length_blockwise"):
-            if key in last:
-                training_facts[f"train_{key}"] = round(float(last[key]), 4)
-        if trainer.state.best_metric is not None and config.metric_for_best_model:
-            training_facts[f"best_eval_{config.metric_for_best_model}"] = round(float(trainer.state.best_metric), 4)
+        data_name = manifest.get("source") if manifest else script.data
+        training_facts = _training_facts(trainer, config, result, last, wall, data_name)
         summary["export_dir"] = str(_export(drafter, export_dir, target, script, training_facts, base_model))
         Path(config.output_dir).mkdir(parents=True, exist_ok=True)
-        tmp = Path(config.output_dir) / ".train_summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=1, default=str))
-        os.replace(tmp, Path(config.output_dir) / "train_summary.json")
+        atomic_write_text(Path(config.output_dir) / "train_summary.json", json.dumps(summary, indent=1, default=str))
         print(json.dumps({k: summary[k] for k in ("global_step", "train_loss", "export_dir")}))
     trainer.accelerator.wait_for_everyone()
     return summary
+
+
+def _training_facts(trainer, config, result, last: dict, wall: float, data: str) -> dict:
+    """The recorded facts of a finished run (data, steps, recipe, wall time, final metrics) for the model card."""
+    facts = {
+        "data": data,
+        "samples": len(trainer.train_dataset),
+        "steps": trainer.state.global_step,
+        "epochs": config.num_train_epochs,
+        "block_size": config.block_size,
+        "num_anchors": config.num_anchors,
+        "loss_decay_gamma": config.loss_decay_gamma,
+        "learning_rate": config.learning_rate,
+        "effective_batch_size": config.per_device_train_batch_size
+        * config.gradient_accumulation_steps
+        * trainer.args.world_size,
+        "features": config.features,
+        "distill_weight": config.distill_weight,
+        "init_from_target": config.init_from_target,
+        "optimizer": "muon+adamw" if config.muon else "adamw",
+        "precision": "bf16 autocast" if config.bf16 else ("fp16 autocast" if config.fp16 else "fp32"),
+        "wall_time_s": round(wall, 1),
+        "final_train_loss": round(float(result.training_loss), 4),
+    }
+    for key in ("accuracy", "acceptance_length", "acceptance_length_blockwise"):
+        if key in last:
+            facts[f"train_{key}"] = round(float(last[key]), 4)
+    if trainer.state.best_metric is not None and config.metric_for_best_model:
+        facts[f"best_eval_{config.metric_for_best_model}"] = round(float(trainer.state.best_metric), 4)
+    return facts
 
 
 def _export(drafter, export_dir: str, target, script: DFlashScriptArguments, training: dict, base_model: str) -> Path:
