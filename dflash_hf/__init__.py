@@ -1,9 +1,9 @@
 """dflash-hf: DFlash block-diffusion speculative decoding for Hugging Face Transformers.
 
-    >>> import dflash_hf
-    >>> drafter = dflash_hf.DFlashDraftModel.from_pretrained("org/dflash-drafter")
-    >>> out = dflash_hf.generate(target, drafter, input_ids, max_new_tokens=128)
-    >>> out = target.generate(**inputs, assistant_model=drafter, speculation_type="dflash")  # native path
+>>> import dflash_hf
+>>> drafter = dflash_hf.DFlashDraftModel.from_pretrained("org/dflash-drafter")
+>>> out = dflash_hf.generate(target, drafter, input_ids, max_new_tokens=128)
+>>> out = target.generate(**inputs, assistant_model=drafter, speculation_type="dflash")  # native path
 """
 
 from transformers import AutoConfig, AutoModel

@@ -20,6 +20,7 @@ COMMAND_MODULES: dict[str, str] = {
     "export": "dflash_hf.commands.export",
     "push": "dflash_hf.commands.push",
     "bench": "dflash_hf.commands.bench",
+    "profile": "dflash_hf.commands.profile",
 }
 
 

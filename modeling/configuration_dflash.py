@@ -220,7 +220,7 @@ class DFlashConfig(PreTrainedConfig):
             return _config_dict_from_official(config_dict)
         raise ValueError(
             f"config.json has model_type `{model_type}`, which is not a DFlash drafter. Expected `{cls.model_type}` "
-            "(dflash-hf layout) or an official DFlash config (`architectures: [\"DFlashDraftModel\"]` with a "
+            '(dflash-hf layout) or an official DFlash config (`architectures: ["DFlashDraftModel"]` with a '
             "`dflash_config`). Point to the drafter's folder, not the target's."
         )
 

@@ -82,7 +82,9 @@ class DFlashRotaryEmbedding(nn.Module):
         """Inverse frequencies of the original RoPE."""
         base = config.rope_parameters["rope_theta"]
         dim = config.head_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
+        inv_freq = 1.0 / (
+            base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim)
+        )
         return inv_freq, 1.0
 
     @torch.no_grad()
@@ -164,10 +166,18 @@ class DFlashAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = False
-        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+        self.q_proj = nn.Linear(
+            config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.k_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
+        )
         self.q_norm = DFlashRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = DFlashRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
@@ -348,8 +358,8 @@ class DFlashNotAnAssistantError(AttributeError, ValueError):
 
 _NOT_AN_ASSISTANT = (
     "A DFlash drafter is not an autoregressive assistant model: it drafts a whole block from the target's hidden "
-    "states. Add `speculation_type=\"dflash\"`: `target.generate(**inputs, assistant_model=drafter, "
-    "speculation_type=\"dflash\")`, or use `dflash_hf.generate(target, drafter, input_ids)`."
+    'states. Add `speculation_type="dflash"`: `target.generate(**inputs, assistant_model=drafter, '
+    'speculation_type="dflash")`, or use `dflash_hf.generate(target, drafter, input_ids)`.'
 )
 
 
@@ -470,7 +480,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         native_cache = type(cache).__name__ == "DFlashCache"
         if native_cache and batch > 1:
             raise ValueError(
-                f"Transformers' native DFlash path (`speculation_type=\"dflash\"`) is batch-1 only, got a batch of "
+                f'Transformers\' native DFlash path (`speculation_type="dflash"`) is batch-1 only, got a batch of '
                 f"{batch}. Use `dflash_hf.generate(target, drafter, input_ids, attention_mask=...)` for batches."
             )
 
@@ -526,7 +536,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         except ImportError as err:  # remote-code users without the package
             raise ImportError(
                 "`spec_generate` runs the dflash-hf engine: `pip install dflash-hf`, or use the dependency-free "
-                "native path `target.generate(**inputs, assistant_model=drafter, speculation_type=\"dflash\")`."
+                'native path `target.generate(**inputs, assistant_model=drafter, speculation_type="dflash")`.'
             ) from err
         return dflash_generate(target, self, input_ids, **kwargs)
 

@@ -114,10 +114,25 @@ class OracleDrafter(DFlashDraftModel):
         self._vocab = weight.shape[0]
         return self
 
-    def forward(self, noise_embeds, context_hidden_states=None, position_ids=None, attention_mask=None,
-                past_key_values=None, cache=None, **kwargs):
-        out = super().forward(noise_embeds, context_hidden_states, position_ids, attention_mask,
-                              past_key_values=past_key_values, cache=cache, **kwargs)
+    def forward(
+        self,
+        noise_embeds,
+        context_hidden_states=None,
+        position_ids=None,
+        attention_mask=None,
+        past_key_values=None,
+        cache=None,
+        **kwargs,
+    ):
+        out = super().forward(
+            noise_embeds,
+            context_hidden_states,
+            position_ids,
+            attention_mask,
+            past_key_values=past_key_values,
+            cache=cache,
+            **kwargs,
+        )
         block = noise_embeds.shape[1]
         embed_table = self._embed_table
         anchor_ids = (noise_embeds[:, 0, None, :] - embed_table[None]).abs().sum(-1).argmin(-1)
@@ -149,9 +164,7 @@ def make_oracle(target, references, corrupt=None, block_size: int = 4) -> Oracle
 
 
 def greedy_reference(target, input_ids, attention_mask=None, max_new_tokens: int = 24) -> torch.Tensor:
-    return target.generate(
-        input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False
-    )
+    return target.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False)
 
 
 def strip(row: torch.Tensor, pad: int = 0) -> list[int]:

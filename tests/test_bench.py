@@ -105,12 +105,16 @@ def test_tampered_output_is_reported(setup, capsys):
         return run
 
     methods = [greedy, bench.BenchMethod("tampered", "tampered engine", tampered)]
-    result = bench.run_bench(target, drafter, prompts, max_new_tokens=MAX_NEW, methods=methods, warmup_tokens=0,
-                             progress=False)
+    result = bench.run_bench(
+        target, drafter, prompts, max_new_tokens=MAX_NEW, methods=methods, warmup_tokens=0, progress=False
+    )
     assert not result.exact
     [mismatch] = result.mismatches
     assert (mismatch["method"], mismatch["prompt"], mismatch["prompt_id"], mismatch["position"]) == (
-        "tampered", 1, "p1", 3
+        "tampered",
+        1,
+        "p1",
+        3,
     )
     assert mismatch["got"] == (mismatch["expected"] + 1) % 64
     summary = _method(result, "tampered")["summary"]
@@ -133,17 +137,53 @@ def test_outputs_json_schema_plots_and_readme_section(result, tmp_path):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     document = json.loads(paths["json"].read_text())
     assert document["format"] == bench.BENCH_FORMAT
-    assert set(document) == {"format", "date", "command", "settings", "hardware", "exact", "mismatches", "methods",
-                             "prompts", "results"}
+    assert set(document) == {
+        "format",
+        "date",
+        "command",
+        "settings",
+        "hardware",
+        "exact",
+        "mismatches",
+        "methods",
+        "prompts",
+        "results",
+        "cost_profile",
+    }
     assert {"cpu", "cpus_available", "torch_threads", "torch", "transformers", "python"} <= set(document["hardware"])
     assert document["settings"]["max_new_tokens"] == MAX_NEW and document["settings"]["decoding"] == "greedy"
-    assert document["prompts"] == [{"index": i, "id": f"p{i}", "prompt_tokens": len(ids)} for i, ids in
-                                   enumerate(PROMPTS)]
-    summary_keys = {"tau", "tokens_per_s", "speedup", "draft_ms_per_cycle", "verify_ms_per_cycle", "exact",
-                    "mismatched_prompts", "accepted_length_histogram", "mean_block_size", "acceptance_rate_by_slot",
-                    "cycles"}
-    record_keys = {"prompt", "new_tokens", "seconds", "tokens_per_s", "speedup", "tau", "accepted_lengths",
-                   "matches_greedy", "first_mismatch", "output_ids", "block_sizes", "draft_s", "verify_s", "prefill_s"}
+    assert document["prompts"] == [
+        {"index": i, "id": f"p{i}", "prompt_tokens": len(ids)} for i, ids in enumerate(PROMPTS)
+    ]
+    summary_keys = {
+        "tau",
+        "tokens_per_s",
+        "speedup",
+        "draft_ms_per_cycle",
+        "verify_ms_per_cycle",
+        "exact",
+        "mismatched_prompts",
+        "accepted_length_histogram",
+        "mean_block_size",
+        "acceptance_rate_by_slot",
+        "cycles",
+    }
+    record_keys = {
+        "prompt",
+        "new_tokens",
+        "seconds",
+        "tokens_per_s",
+        "speedup",
+        "tau",
+        "accepted_lengths",
+        "matches_greedy",
+        "first_mismatch",
+        "output_ids",
+        "block_sizes",
+        "draft_s",
+        "verify_s",
+        "prefill_s",
+    }
     for method in document["methods"]:
         assert summary_keys <= set(method["summary"])
         assert all(record_keys <= set(r) for r in document["results"][method["name"]])

@@ -60,8 +60,15 @@ def test_adaptive_generation_is_lossless_and_varies_block_size():
     reference = target.generate(input_ids, max_new_tokens=48, do_sample=False, eos_token_id=[99])
     corrupt = {(pos, slot) for pos in range(120) for slot in range(1, 8) if (pos + slot) % 6 == 0}
     oracle = make_oracle(target, [reference[0].tolist()], corrupt=corrupt, block_size=8)
-    out = dflash_hf.generate(target, oracle, input_ids, max_new_tokens=48, block_size="adaptive",
-                             eos_token_id=[99], return_dict_in_generate=True)
+    out = dflash_hf.generate(
+        target,
+        oracle,
+        input_ids,
+        max_new_tokens=48,
+        block_size="adaptive",
+        eos_token_id=[99],
+        return_dict_in_generate=True,
+    )
     assert torch.equal(out.sequences, reference)
     assert len(set(out.block_sizes[0])) > 1
     assert out.block_size == 8 and len(out.acceptance_rate_by_slot) == 7

@@ -36,7 +36,9 @@ def test_bundled_drafter_loads_strictly_in_bf16():
     assert drafter.config.target_model_type == "llama" and drafter.config.num_target_layers == 30
     card = (BUNDLED / "README.md").read_text()
     results = card.split("## Results", 1)[1]
-    assert re.search(r"^\| HumanEval, 20 prompts.* \| \d+\.\d+ \| \d+\.\d+x \|", results, re.M), "no measured HumanEval row"
+    assert re.search(r"^\| HumanEval, 20 prompts.* \| \d+\.\d+ \| \d+\.\d+x \|", results, re.M), (
+        "no measured HumanEval row"
+    )
     assert "## Training" in card and "samples" in card
 
 
@@ -74,7 +76,8 @@ def test_both_generation_paths_match_greedy_on_the_real_target(smollm2):
     for prompt in PROMPTS:
         ids = torch.tensor([encode_prompt(tokenizer, prompt, use_chat_template=True)])
         greedy = target.generate(ids, max_new_tokens=32, do_sample=False)
-        native = target.generate(ids, max_new_tokens=32, do_sample=False, assistant_model=drafter,
-                                 speculation_type="dflash")
+        native = target.generate(
+            ids, max_new_tokens=32, do_sample=False, assistant_model=drafter, speculation_type="dflash"
+        )
         ours = dflash_hf.generate(target, drafter, ids, max_new_tokens=32, block_size="adaptive")
         assert torch.equal(native, greedy) and torch.equal(ours, greedy)

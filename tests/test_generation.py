@@ -81,7 +81,11 @@ def test_batch_rows_match_their_own_greedy_output(family):
     corrupt = {(pos, slot) for pos in range(0, 80) for slot in range(1, 4) if (pos + 2 * slot) % 4 == 0}
     for drafter in (make_drafter(target), make_oracle(target, [r.tolist() for r in references], corrupt=corrupt)):
         out = dflash_hf.generate(
-            target, drafter, input_ids, attention_mask=attention_mask, max_new_tokens=MAX_NEW,
+            target,
+            drafter,
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=MAX_NEW,
             return_dict_in_generate=True,
         )
         for i, (p, ref) in enumerate(zip(prompts, references)):
@@ -123,12 +127,14 @@ def test_block_size_override_and_custom_generate_hook():
     input_ids = _prompt(5, 7)
     reference = greedy_reference(target, input_ids, max_new_tokens=MAX_NEW)
     oracle = make_oracle(target, [reference[0].tolist()], block_size=4)
-    small = dflash_hf.generate(target, oracle, input_ids, max_new_tokens=MAX_NEW, block_size=2,
-                               return_dict_in_generate=True)
+    small = dflash_hf.generate(
+        target, oracle, input_ids, max_new_tokens=MAX_NEW, block_size=2, return_dict_in_generate=True
+    )
     assert torch.equal(small.sequences, reference)
     assert small.block_size == 2 and max(small.accepted_lengths[0]) <= 2
-    hooked = target.generate(input_ids, max_new_tokens=MAX_NEW, do_sample=False,
-                             custom_generate=dflash_hf.custom_generate, drafter=oracle)
+    hooked = target.generate(
+        input_ids, max_new_tokens=MAX_NEW, do_sample=False, custom_generate=dflash_hf.custom_generate, drafter=oracle
+    )
     assert torch.equal(hooked, reference)
 
 

@@ -150,9 +150,19 @@ def test_cli_export(qwen_pair, tmp_path, capsys):
     target.config.save_pretrained(tmp_path / "target")
     (tmp_path / "metrics.json").write_text(json.dumps({"results": METRICS[:1]}))
     argv = [
-        "export", str(tmp_path / "checkpoint"), str(tmp_path / "out"), "--target", str(tmp_path / "target"),
-        "--base-model", "Qwen/Qwen3-8B", "--repo-id", "me/qwen3-dflash", "--metrics", str(tmp_path / "metrics.json"),
-        "--format", "official",
+        "export",
+        str(tmp_path / "checkpoint"),
+        str(tmp_path / "out"),
+        "--target",
+        str(tmp_path / "target"),
+        "--base-model",
+        "Qwen/Qwen3-8B",
+        "--repo-id",
+        "me/qwen3-dflash",
+        "--metrics",
+        str(tmp_path / "metrics.json"),
+        "--format",
+        "official",
     ]
     assert cli_main(argv) == 0
     assert "exported official drafter" in capsys.readouterr().out

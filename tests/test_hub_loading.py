@@ -101,8 +101,13 @@ def test_pickle_weights_are_refused_unopened(saved, tmp_path):
 def test_hidden_size_mismatch_with_target(saved, tmp_path):
     drafter = DFlashDraftModel.from_pretrained(saved)  # built for a hidden size of 64
     other = Qwen3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
     )
     target = make_target("qwen3")
     target_32 = type(target)(other).eval()

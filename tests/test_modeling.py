@@ -140,18 +140,24 @@ def test_draft_cache_holds_exactly_the_committed_context(family):
     calls = []
     original = drafter.forward
 
-    def recording_forward(noise_embeds, context_hidden_states=None, position_ids=None, attention_mask=None,
-                          past_key_values=None, **kwargs):
-        snapshot = [(layer.keys.clone(), layer.values.clone()) for layer in past_key_values.layers
-                    if getattr(layer, "keys", None) is not None]
+    def recording_forward(
+        noise_embeds, context_hidden_states=None, position_ids=None, attention_mask=None, past_key_values=None, **kwargs
+    ):
+        snapshot = [
+            (layer.keys.clone(), layer.values.clone())
+            for layer in past_key_values.layers
+            if getattr(layer, "keys", None) is not None
+        ]
         calls.append((snapshot, past_key_values.get_seq_length(), context_hidden_states.shape[1]))
-        return original(noise_embeds, context_hidden_states, position_ids, attention_mask,
-                        past_key_values=past_key_values, **kwargs)
+        return original(
+            noise_embeds, context_hidden_states, position_ids, attention_mask, past_key_values=past_key_values, **kwargs
+        )
 
     drafter.forward = recording_forward
     input_ids = torch.randint(3, 64, (1, 10), generator=torch.Generator().manual_seed(0))
-    out = dflash_hf.generate(target, drafter, input_ids, max_new_tokens=12, eos_token_id=[99],
-                             return_dict_in_generate=True)
+    out = dflash_hf.generate(
+        target, drafter, input_ids, max_new_tokens=12, eos_token_id=[99], return_dict_in_generate=True
+    )
     # cycle i starts with the context committed before its anchor: the prompt, then each cycle's anchor + accepted
     committed = input_ids.shape[1]
     assert len(calls) == len(out.accepted_lengths[0])
@@ -225,8 +231,9 @@ def test_negative_max_new_tokens_and_empty_prompt():
     with pytest.raises(ValueError, match="empty"):
         dflash_hf.generate(target, drafter, torch.zeros(1, 0, dtype=torch.long), max_new_tokens=3)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=-1, assistant_model=drafter,
-                        speculation_type="dflash")
+        target.generate(
+            torch.tensor([[5, 6, 7]]), max_new_tokens=-1, assistant_model=drafter, speculation_type="dflash"
+        )
 
 
 def test_missing_target_layer_ids_is_refused():
@@ -239,8 +246,9 @@ def test_native_path_batch_is_refused():
     target = make_target("llama")
     drafter = make_drafter(target)
     with pytest.raises(ValueError, match="batch"):
-        target.generate(torch.tensor([[5, 6, 7], [7, 8, 9]]), max_new_tokens=3, assistant_model=drafter,
-                        speculation_type="dflash")
+        target.generate(
+            torch.tensor([[5, 6, 7], [7, 8, 9]]), max_new_tokens=3, assistant_model=drafter, speculation_type="dflash"
+        )
     # if a batch ever reaches the drafter through the native cache, the drafter names the batched engine
     from transformers.cache_utils import DFlashCache
 

@@ -143,8 +143,11 @@ def _api_cases(target, drafter, folders):
         ),
         "right padding": (
             lambda: dflash_hf.generate(
-                target, drafter, torch.tensor([[1, 5, 6, 7], [1, 8, 0, 0]]),
-                attention_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]), max_new_tokens=4,
+                target,
+                drafter,
+                torch.tensor([[1, 5, 6, 7], [1, 8, 0, 0]]),
+                attention_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]),
+                max_new_tokens=4,
             ),
             r"Row 1 of the batch ends with padding \(right padding\): DFlash generation needs left-padded prompts; "
             r"set `tokenizer.padding_side = \"left\"`",
@@ -156,7 +159,9 @@ def _api_cases(target, drafter, folders):
         ),
         "prompt longer than the positions (custom_generate)": (
             lambda: target.generate(
-                torch.randint(3, 60, (1, 1020)), custom_generate=dflash_hf.custom_generate, drafter=drafter,
+                torch.randint(3, 60, (1, 1020)),
+                custom_generate=dflash_hf.custom_generate,
+                drafter=drafter,
                 max_new_tokens=8,
             ),
             r"The prompt \(1020 tokens\) plus max_new_tokens \(8\) needs 1028 positions",
@@ -170,9 +175,16 @@ def _api_cases(target, drafter, folders):
 
 
 CASES = [
-    "mask of another shape (all ones)", "mask of another shape", "float ids", "fractional block size",
-    "string max_new_tokens", "ids outside the vocabulary", "right padding", "prompt longer than the positions",
-    "prompt longer than the positions (custom_generate)", "drafter of another target",
+    "mask of another shape (all ones)",
+    "mask of another shape",
+    "float ids",
+    "fractional block size",
+    "string max_new_tokens",
+    "ids outside the vocabulary",
+    "right padding",
+    "prompt longer than the positions",
+    "prompt longer than the positions (custom_generate)",
+    "drafter of another target",
 ]
 
 
@@ -187,8 +199,9 @@ def test_bad_api_input_is_a_value_error(pair, folders, case):
 def test_one_dimensional_prompt_and_mask_and_left_padding_match_greedy(pair):
     target, drafter = pair
     ids = torch.tensor([1, 5, 6, 7])
-    out = dflash_hf.generate(target, drafter, ids, attention_mask=torch.ones(4, dtype=torch.long),
-                             max_new_tokens=MAX_NEW)
+    out = dflash_hf.generate(
+        target, drafter, ids, attention_mask=torch.ones(4, dtype=torch.long), max_new_tokens=MAX_NEW
+    )
     assert torch.equal(out, greedy_reference(target, ids[None], max_new_tokens=MAX_NEW))
     batch, mask = torch.tensor([[1, 5, 6, 7], [0, 0, 1, 8]]), torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
     out = dflash_hf.generate(target, drafter, batch, attention_mask=mask, max_new_tokens=MAX_NEW)
@@ -221,8 +234,19 @@ CLI_CASES = {
         "error: --out {file}: {file} is a file, not a folder",
     ),
     "prompt longer than the positions": (
-        ["generate", "the cat " * 130, "--target", "{target}", "--drafter", "{drafter}", "--no-chat-template",
-         "--max-new-tokens", "8", "--threads", "1"],
+        [
+            "generate",
+            "the cat " * 130,
+            "--target",
+            "{target}",
+            "--drafter",
+            "{drafter}",
+            "--no-chat-template",
+            "--max-new-tokens",
+            "8",
+            "--threads",
+            "1",
+        ],
         "error: The prompt (260 tokens) plus max_new_tokens (8) needs 268 positions but the target has 256",
     ),
     "drafter of another target": (
@@ -252,8 +276,9 @@ def test_export_resolves_a_named_target_offline(folders, capsys, monkeypatch, tm
     """`--target smollm2-135m` reads the named target's config from its local cache (here: a stand-in folder) and
     writes its Hub id into the card; published files get ordinary modes (8)."""
     monkeypatch.setattr(export_module, "resolve_target_dir", lambda name: folders["target"])
-    code, out, err = _cli(capsys, ["export", str(folders["drafter"]), str(tmp_path / "out"), "--target",
-                                   "smollm2-135m"])
+    code, out, err = _cli(
+        capsys, ["export", str(folders["drafter"]), str(tmp_path / "out"), "--target", "smollm2-135m"]
+    )
     assert code == 0, err
     card = (tmp_path / "out" / "README.md").read_text()
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card
@@ -273,14 +298,14 @@ def test_exported_files_have_ordinary_modes(folders):
 
 def test_bf16_drafter_with_fp32_target_on_both_paths(pair, tmp_path):
     target, drafter = pair
-    dflash_hf.export(make_drafter(target).to(torch.bfloat16), tmp_path / "bf16", target=target,
-                     base_model="org/tiny")
+    dflash_hf.export(make_drafter(target).to(torch.bfloat16), tmp_path / "bf16", target=target, base_model="org/tiny")
     loaded = AutoModel.from_pretrained(tmp_path / "bf16", trust_remote_code=True).eval()
     assert loaded.dtype == torch.bfloat16  # its saved dtype
     ids = torch.tensor([[1, 5, 6, 7]])
     reference = greedy_reference(target, ids, max_new_tokens=MAX_NEW)
-    native = target.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, assistant_model=loaded,
-                             speculation_type="dflash")
+    native = target.generate(
+        ids, max_new_tokens=MAX_NEW, do_sample=False, assistant_model=loaded, speculation_type="dflash"
+    )
     assert torch.equal(native, reference)
     assert torch.equal(dflash_hf.generate(target, loaded, ids, max_new_tokens=MAX_NEW), reference)
     # the drafter computes in its own dtype and answers in the caller's
@@ -333,8 +358,24 @@ def train_setup(tmp_path_factory):
 
 
 def _make_data_argv(root: Path, prompts: Path, out: str) -> list[str]:
-    return ["make-data", "--target", str(root / "target"), "--prompts", str(prompts), "--out", str(root / out),
-            "--max-new-tokens", "12", "--held-out-fraction", "0", "--batch-size", "2", "--device", "cpu", "--quiet"]
+    return [
+        "make-data",
+        "--target",
+        str(root / "target"),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(root / out),
+        "--max-new-tokens",
+        "12",
+        "--held-out-fraction",
+        "0",
+        "--batch-size",
+        "2",
+        "--device",
+        "cpu",
+        "--quiet",
+    ]
 
 
 def _rows(folder: Path) -> list[tuple[str, list[int]]]:
@@ -359,11 +400,40 @@ def test_make_data_survives_sigkill(train_setup, capsys):
 
 def _train_argv(root: Path, out: str, *extra: str) -> list[str]:
     return [
-        "train", "--target", str(root / "target"), "--data", str(root / "data"), "--output_dir", str(root / out),
-        "--max_steps", "4", "--save_steps", "1", "--block_size", "4", "--num_draft_layers", "1",
-        "--num_target_features", "2", "--num_anchors", "8", "--per_device_train_batch_size", "2",
-        "--logging_steps", "1", "--disable_tqdm", "true", "--use_cpu", "true", "--report_to", "none",
-        "--base_model", "test-org/tiny-qwen3", "--seed", "0", *extra,
+        "train",
+        "--target",
+        str(root / "target"),
+        "--data",
+        str(root / "data"),
+        "--output_dir",
+        str(root / out),
+        "--max_steps",
+        "4",
+        "--save_steps",
+        "1",
+        "--block_size",
+        "4",
+        "--num_draft_layers",
+        "1",
+        "--num_target_features",
+        "2",
+        "--num_anchors",
+        "8",
+        "--per_device_train_batch_size",
+        "2",
+        "--logging_steps",
+        "1",
+        "--disable_tqdm",
+        "true",
+        "--use_cpu",
+        "true",
+        "--report_to",
+        "none",
+        "--base_model",
+        "test-org/tiny-qwen3",
+        "--seed",
+        "0",
+        *extra,
     ]
 
 
@@ -414,11 +484,15 @@ def test_train_survives_sigkill_during_a_checkpoint_save(reference_run, capsys):
     (run / "checkpoint-3" / "trainer_state.json").unlink()
     code, _, err = _cli(capsys, _train_argv(root, "run", "--resume_from_checkpoint", str(run / "checkpoint-3")))
     assert code == 2 and len(err) == 1
-    assert err[0].startswith(f"error: Checkpoint {run / 'checkpoint-3'} is incomplete (no trainer_state.json; its "
-                             f"save was interrupted): resume from {run / 'checkpoint-2'}"), err
+    assert err[0].startswith(
+        f"error: Checkpoint {run / 'checkpoint-3'} is incomplete (no trainer_state.json; its "
+        f"save was interrupted): resume from {run / 'checkpoint-2'}"
+    ), err
 
-    assert last_complete_checkpoint(run) == (str(run / "checkpoint-2"),  # what Trainer.train(True) resumes from
-                                             [f"{run / 'checkpoint-3'} (no trainer_state.json)"])
+    assert last_complete_checkpoint(run) == (
+        str(run / "checkpoint-2"),  # what Trainer.train(True) resumes from
+        [f"{run / 'checkpoint-3'} (no trainer_state.json)"],
+    )
     code, _, err = _cli(capsys, _train_argv(root, "run", "--resume_from_checkpoint", "last"))
     assert code == 0
     assert f"skipping incomplete checkpoint {run / 'checkpoint-3'} (no trainer_state.json)" in err

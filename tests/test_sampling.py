@@ -25,8 +25,16 @@ SAMPLES = 6000
 def _tiny_models():
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=5, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, initializer_range=0.5, pad_token_id=0, eos_token_id=None,
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=5,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        initializer_range=0.5,
+        pad_token_id=0,
+        eos_token_id=None,
     )
     target = LlamaForCausalLM(config).eval()
     target.generation_config.eos_token_id = None
@@ -59,8 +67,14 @@ def _exact_joint_of_tokens_2_and_3(target, prompt: torch.Tensor) -> torch.Tensor
 def _chi_square(target, drafter, prompt, expected: torch.Tensor) -> float:
     torch.manual_seed(1234)
     out = dflash_hf.generate(
-        target, drafter, prompt.expand(SAMPLES, -1).contiguous(), max_new_tokens=3, do_sample=True,
-        temperature=TEMPERATURE, top_k=TOP_K, top_p=1.0,
+        target,
+        drafter,
+        prompt.expand(SAMPLES, -1).contiguous(),
+        max_new_tokens=3,
+        do_sample=True,
+        temperature=TEMPERATURE,
+        top_k=TOP_K,
+        top_p=1.0,
     )
     t2, t3 = out[:, -2], out[:, -1]
     counts = torch.bincount(t2 * VOCAB + t3, minlength=VOCAB * VOCAB).double()

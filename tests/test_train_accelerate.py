@@ -30,9 +30,27 @@ def test_accelerate_two_process_cpu_run(tmp_path):
         target.save_pretrained(tmp_path / "target")
         tok.save_pretrained(tmp_path / "target")
         src = write_prompts(tmp_path / "p.jsonl")
-        assert cli_main(["make-data", "--target", str(tmp_path / "target"), "--prompts", str(src), "--out",
-                         str(tmp_path / "data"), "--max-new-tokens", "12", "--held-out-fraction", "0",
-                         "--device", "cpu", "--quiet"]) == 0
+        assert (
+            cli_main(
+                [
+                    "make-data",
+                    "--target",
+                    str(tmp_path / "target"),
+                    "--prompts",
+                    str(src),
+                    "--out",
+                    str(tmp_path / "data"),
+                    "--max-new-tokens",
+                    "12",
+                    "--held-out-fraction",
+                    "0",
+                    "--device",
+                    "cpu",
+                    "--quiet",
+                ]
+            )
+            == 0
+        )
     recipe = tmp_path / "recipe.yaml"  # a TRL-style recipe, as in examples/recipes/
     recipe.write_text(
         f"target: {tmp_path / 'target'}\ndata: {tmp_path / 'data'}\noutput_dir: {tmp_path / 'elsewhere'}\n"
@@ -42,9 +60,24 @@ def test_accelerate_two_process_cpu_run(tmp_path):
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [
-        accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-        "--dynamo_backend", "no", str(ROOT / "examples" / "train.py"), "--config", str(recipe),
-        "--output_dir", str(tmp_path / "run"), "--max_steps", "2",  # flags override the recipe file
+        accelerate,
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(ROOT / "examples" / "train.py"),
+        "--config",
+        str(recipe),
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--max_steps",
+        "2",  # flags override the recipe file
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

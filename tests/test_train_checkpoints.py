@@ -34,8 +34,15 @@ def run(tmp_path_factory):
         target = make_tiny_target("llama")
         tok = make_tokenizer()
         root = tmp_path_factory.mktemp("ckpt")
-        make_data(target, tok, root / "data", source=str(write_prompts(root / "prompts.jsonl")), max_new_tokens=16,
-                  held_out_fraction=0.0, progress=False)
+        make_data(
+            target,
+            tok,
+            root / "data",
+            source=str(write_prompts(root / "prompts.jsonl")),
+            max_new_tokens=16,
+            held_out_fraction=0.0,
+            progress=False,
+        )
         data = load_training_data(root / "data")
         trainer = make_trainer(target, tok, data, root / "full")
         trainer.train()
@@ -45,9 +52,21 @@ def run(tmp_path_factory):
 
 def make_trainer(target, tok, data, output_dir: Path) -> DFlashTrainer:
     args = DFlashTrainingConfig(
-        output_dir=str(output_dir), block_size=4, num_anchors=8, num_draft_layers=1, num_target_features=2,
-        per_device_train_batch_size=2, learning_rate=1e-3, max_steps=2, save_strategy="steps", save_steps=1,
-        use_cpu=True, report_to="none", disable_tqdm=True, logging_steps=1, seed=0,
+        output_dir=str(output_dir),
+        block_size=4,
+        num_anchors=8,
+        num_draft_layers=1,
+        num_target_features=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        max_steps=2,
+        save_strategy="steps",
+        save_steps=1,
+        use_cpu=True,
+        report_to="none",
+        disable_tqdm=True,
+        logging_steps=1,
+        seed=0,
     )
     return DFlashTrainer(args=args, target=target, train_dataset=data, processing_class=tok)
 
@@ -70,8 +89,14 @@ def test_checkpoints_hold_only_safetensors_and_json(run, folder):
     names = {p.name for p in files}
     assert {"model.safetensors", "training_args.json"} <= names
     if folder.startswith("checkpoint"):
-        assert {"optimizer.safetensors", "optimizer.json", "scheduler.json", "rng_state.safetensors",
-                "rng_state.json", "trainer_state.json"} <= names
+        assert {
+            "optimizer.safetensors",
+            "optimizer.json",
+            "scheduler.json",
+            "rng_state.safetensors",
+            "rng_state.json",
+            "trainer_state.json",
+        } <= names
     for path in files:
         if path.suffix in (".py", ".jinja"):  # the drafter's remote code, the tokenizer's chat template: text
             assert not path.read_bytes().startswith(PICKLE_MAGIC)
@@ -113,8 +138,10 @@ def test_legacy_pickle_checkpoint_is_refused(run, tmp_path, monkeypatch):
 
 
 def test_state_round_trip_keeps_types_and_rng_streams(tmp_path):
-    state = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2, 3)}},
-             "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0], "foreach": None}]}
+    state = {
+        "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2, 3)}},
+        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0], "foreach": None}],
+    }
     save_state(state, tmp_path, "optimizer")
     back = load_state(tmp_path, "optimizer")
     assert back["param_groups"] == state["param_groups"] and isinstance(back["param_groups"][0]["betas"], tuple)

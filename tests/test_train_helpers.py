@@ -75,9 +75,19 @@ def tiny_train_config(output_dir, **overrides):
     from dflash_hf.trainers import DFlashTrainingConfig
 
     base = dict(
-        output_dir=str(output_dir), block_size=4, num_anchors=8, num_draft_layers=2, num_target_features=2,
-        per_device_train_batch_size=3, learning_rate=1e-3, use_cpu=True, report_to="none", disable_tqdm=True,
-        logging_steps=1, save_strategy="no", seed=0,
+        output_dir=str(output_dir),
+        block_size=4,
+        num_anchors=8,
+        num_draft_layers=2,
+        num_target_features=2,
+        per_device_train_batch_size=3,
+        learning_rate=1e-3,
+        use_cpu=True,
+        report_to="none",
+        disable_tqdm=True,
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
     )
     base.update(overrides)
     return DFlashTrainingConfig(**base)

@@ -18,8 +18,9 @@ def engine_tau(target, drafter, prompts) -> float:
     """Tokens committed per target verify forward, measured by the generation engine over all prompts."""
     lengths = []
     for ids in prompts:
-        out = generate(target, drafter.eval(), torch.tensor([ids]), max_new_tokens=NEW_TOKENS,
-                       return_dict_in_generate=True)
+        out = generate(
+            target, drafter.eval(), torch.tensor([ids]), max_new_tokens=NEW_TOKENS, return_dict_in_generate=True
+        )
         lengths.extend(n for row in out.accepted_lengths for n in row)
     return sum(lengths) / len(lengths)
 
@@ -29,13 +30,32 @@ def test_training_raises_engine_tau(tmp_path):
         target = make_tiny_target("llama", seed=0)
         tok = make_tokenizer()
         src = write_prompts(tmp_path / "p.jsonl")
-        make_data(target, tok, tmp_path / "data", source=str(src), max_new_tokens=NEW_TOKENS, held_out_fraction=0.0,
-                  batch_size=6, progress=False)
+        make_data(
+            target,
+            tok,
+            tmp_path / "data",
+            source=str(src),
+            max_new_tokens=NEW_TOKENS,
+            held_out_fraction=0.0,
+            batch_size=6,
+            progress=False,
+        )
         data = load_training_data(tmp_path / "data")
         args = DFlashTrainingConfig(
-            output_dir=str(tmp_path / "run"), max_steps=80, per_device_train_batch_size=6, learning_rate=3e-3,
-            block_size=BLOCK, num_anchors=64, num_draft_layers=2, num_target_features=2, logging_steps=20,
-            save_strategy="no", use_cpu=True, report_to="none", disable_tqdm=True, seed=0,
+            output_dir=str(tmp_path / "run"),
+            max_steps=80,
+            per_device_train_batch_size=6,
+            learning_rate=3e-3,
+            block_size=BLOCK,
+            num_anchors=64,
+            num_draft_layers=2,
+            num_target_features=2,
+            logging_steps=20,
+            save_strategy="no",
+            use_cpu=True,
+            report_to="none",
+            disable_tqdm=True,
+            seed=0,
         )
         torch.manual_seed(0)
         trainer = DFlashTrainer(args=args, target=target, train_dataset=data, processing_class=tok)

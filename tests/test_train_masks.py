@@ -54,7 +54,7 @@ def test_mask_equals_naive_reference():
     for r in range(3):
         for j in range(anchors.shape[1]):
             if valid[r, j]:
-                assert not mask[r, 0, j * block : (j + 1) * block, int(anchors[r, j]) :seq].any()
+                assert not mask[r, 0, j * block : (j + 1) * block, int(anchors[r, j]) : seq].any()
 
 
 def test_anchors_only_in_response_and_room_for_a_block():
@@ -140,12 +140,22 @@ def test_shifted_by_one_labels_bug_is_caught(tmp_path):
     target = make_tiny_target("llama")
     tok = make_tokenizer()
     args = DFlashTrainingConfig(
-        output_dir=str(tmp_path), block_size=4, num_anchors=8, num_draft_layers=1, num_target_features=2,
-        use_cpu=True, report_to="none", disable_tqdm=True,
+        output_dir=str(tmp_path),
+        block_size=4,
+        num_anchors=8,
+        num_draft_layers=1,
+        num_target_features=2,
+        use_cpu=True,
+        report_to="none",
+        disable_tqdm=True,
     )
     trainer = DFlashTrainer(args=args, target=target, processing_class=tok)
     seq = torch.randint(4, 64, (1, 30))
-    inputs = {"input_ids": seq, "loss_mask": (torch.arange(30) >= 8).long()[None], "attention_mask": torch.ones_like(seq)}
+    inputs = {
+        "input_ids": seq,
+        "loss_mask": (torch.arange(30) >= 8).long()[None],
+        "attention_mask": torch.ones_like(seq),
+    }
     lm = target.get_output_embeddings().weight.detach()
     good_loss, good = trainer.dflash_loss(_PositionOracle(seq, lm, 0), inputs)
     bad_loss, bad = trainer.dflash_loss(_PositionOracle(seq, lm, 1), inputs)
@@ -160,8 +170,13 @@ def test_block_cannot_see_its_anchor_hidden_state(tmp_path):
     position just before it does change it."""
     target = make_tiny_target("llama")
     args = DFlashTrainingConfig(
-        output_dir=str(tmp_path), block_size=4, num_draft_layers=2, num_target_features=2, use_cpu=True,
-        report_to="none", disable_tqdm=True,
+        output_dir=str(tmp_path),
+        block_size=4,
+        num_draft_layers=2,
+        num_target_features=2,
+        use_cpu=True,
+        report_to="none",
+        disable_tqdm=True,
     )
     trainer = DFlashTrainer(args=args, target=target, processing_class=make_tokenizer())
     drafter = trainer.model.eval()

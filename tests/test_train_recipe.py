@@ -28,8 +28,15 @@ def tiny(tmp_path_factory):
         target = make_tiny_target("llama")
         tok = make_tokenizer()
         root = tmp_path_factory.mktemp("recipe")
-        make_data(target, tok, root / "data", source=str(write_prompts(root / "prompts.jsonl")), max_new_tokens=24,
-                  held_out_fraction=0.0, progress=False)
+        make_data(
+            target,
+            tok,
+            root / "data",
+            source=str(write_prompts(root / "prompts.jsonl")),
+            max_new_tokens=24,
+            held_out_fraction=0.0,
+            progress=False,
+        )
         return target, tok, load_training_data(root / "data")
 
 
@@ -54,8 +61,9 @@ def test_distillation_pulls_towards_the_targets_distribution(tiny, tmp_path):
     """w=1 is exactly the cross-entropy against the target's softmax one position before each slot; w=0 is the
     hard-label loss; the mix is linear."""
     target, tok, data = tiny
-    trainer = DFlashTrainer(args=config(tmp_path / "a", distill_weight=1.0), target=target, train_dataset=data,
-                            processing_class=tok)
+    trainer = DFlashTrainer(
+        args=config(tmp_path / "a", distill_weight=1.0), target=target, train_dataset=data, processing_class=tok
+    )
     batch = full_batch(data)
     torch.manual_seed(0)
     anchors = sample_anchors(batch["loss_mask"], batch["attention_mask"].sum(1), 4, 8)
@@ -70,15 +78,19 @@ def test_distillation_pulls_towards_the_targets_distribution(tiny, tmp_path):
     # reference: the soft loss recomputed by hand, slot by slot, from the target's softmax at position p - 1
     from dflash_hf.trainers.masks import block_attention_mask, build_blocks
 
-    blocks = build_blocks(batch["input_ids"], batch["loss_mask"], *anchors, 4, trainer.mask_token_id,
-                          trainer.loss_decay_gamma)
+    blocks = build_blocks(
+        batch["input_ids"], batch["loss_mask"], *anchors, 4, trainer.mask_token_id, trainer.loss_decay_gamma
+    )
     adapter = TargetAdapter(target, trainer.model.config.target_layer_ids)
     ids, mask = batch["input_ids"], batch["attention_mask"]
     with torch.no_grad():
         context, final = trainer.target_features(ids, mask)
-        out = trainer.model(noise_embeds=adapter.embed(blocks.block_ids), context_hidden_states=context,
-                            position_ids=blocks.position_ids,
-                            attention_mask=block_attention_mask(*anchors, ids.shape[1], 4))
+        out = trainer.model(
+            noise_embeds=adapter.embed(blocks.block_ids),
+            context_hidden_states=context,
+            position_ids=blocks.position_ids,
+            attention_mask=block_attention_mask(*anchors, ids.shape[1], 4),
+        )
         hidden = out.last_hidden_state.view(ids.shape[0], anchors[0].shape[1], 4, -1)
         total, weight_sum = 0.0, 0.0
         for b, j, k in (blocks.weights > 0).nonzero().tolist():
@@ -94,11 +106,16 @@ def test_distillation_pulls_towards_the_targets_distribution(tiny, tmp_path):
 def test_distillation_training_reaches_lower_teacher_loss(tiny, tmp_path):
     """A few steps with w=1 lower the soft loss (the student moves towards the teacher)."""
     target, tok, data = tiny
-    trainer = DFlashTrainer(args=config(tmp_path, distill_weight=1.0, max_steps=12, learning_rate=3e-3),
-                            target=target, train_dataset=data, processing_class=tok)
+    trainer = DFlashTrainer(
+        args=config(tmp_path, distill_weight=1.0, max_steps=12, learning_rate=3e-3),
+        target=target,
+        train_dataset=data,
+        processing_class=tok,
+    )
     batch = full_batch(data)
-    anchors = sample_anchors(batch["loss_mask"], batch["attention_mask"].sum(1), 4, 8,
-                             generator=torch.Generator().manual_seed(0))
+    anchors = sample_anchors(
+        batch["loss_mask"], batch["attention_mask"].sum(1), 4, 8, generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         before, _ = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
     trainer.train()
@@ -109,16 +126,18 @@ def test_distillation_training_reaches_lower_teacher_loss(tiny, tmp_path):
 
 def test_offline_final_hidden_matches_online_distillation(tiny, tmp_path):
     target, tok, data = tiny
-    trainer = DFlashTrainer(args=config(tmp_path / "on", distill_weight=1.0), target=target, train_dataset=data,
-                            processing_class=tok)
+    trainer = DFlashTrainer(
+        args=config(tmp_path / "on", distill_weight=1.0), target=target, train_dataset=data, processing_class=tok
+    )
     feats = tmp_path / "features"
     cache_features(target, data, feats, trainer.model.config.target_layer_ids, batch_size=2, progress=False)
     offline = OfflineFeatureDataset(data, feats, trainer.model.config.target_layer_ids)
     assert offline.has_final_hidden and offline[0]["target_final_hidden"].shape[-1] == target.config.hidden_size
     batch = full_batch(data)
     off_batch = DFlashDataCollator(pad_token_id=0)([offline[i] for i in range(len(offline))])
-    anchors = sample_anchors(batch["loss_mask"], batch["attention_mask"].sum(1), 4, 8,
-                             generator=torch.Generator().manual_seed(0))
+    anchors = sample_anchors(
+        batch["loss_mask"], batch["attention_mask"].sum(1), 4, 8, generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         online, _ = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
         cached, _ = trainer.dflash_loss(trainer.model, off_batch, anchors=anchors)
@@ -127,14 +146,20 @@ def test_offline_final_hidden_matches_online_distillation(tiny, tmp_path):
     bare = tmp_path / "bare"
     cache_features(target, data, bare, trainer.model.config.target_layer_ids, final_hidden=False, progress=False)
     with pytest.raises(ValueError, match="final hidden states"):
-        DFlashTrainer(model=trainer.model, target=target, train_dataset=data, processing_class=tok,
-                      args=config(tmp_path / "off", distill_weight=0.5, features="offline", features_dir=str(bare)))
+        DFlashTrainer(
+            model=trainer.model,
+            target=target,
+            train_dataset=data,
+            processing_class=tok,
+            args=config(tmp_path / "off", distill_weight=0.5, features="offline", features_dir=str(bare)),
+        )
 
 
 def test_init_from_target_copies_the_top_layers(tiny, tmp_path):
     target, tok, data = tiny
-    trainer = DFlashTrainer(args=config(tmp_path, init_from_target=True), target=target, train_dataset=data,
-                            processing_class=tok)
+    trainer = DFlashTrainer(
+        args=config(tmp_path, init_from_target=True), target=target, train_dataset=data, processing_class=tok
+    )
     drafter = trainer.model
     layers = target.model.layers
     top = len(layers) - 2
@@ -155,8 +180,9 @@ def test_init_from_target_copies_the_top_layers(tiny, tmp_path):
 
 def test_muon_optimises_matrices_and_adamw_the_rest(tiny, tmp_path):
     target, tok, data = tiny
-    trainer = DFlashTrainer(args=config(tmp_path, muon=True, max_steps=2), target=target, train_dataset=data,
-                            processing_class=tok)
+    trainer = DFlashTrainer(
+        args=config(tmp_path, muon=True, max_steps=2), target=target, train_dataset=data, processing_class=tok
+    )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
@@ -176,8 +202,9 @@ def test_muon_checkpoint_resumes_the_same_run(tiny, tmp_path):
     full = DFlashTrainer(args=config(tmp_path / "full", **kw), target=target, train_dataset=data, processing_class=tok)
     full.train()
     torch.manual_seed(5)
-    resumed = DFlashTrainer(args=config(tmp_path / "res", **kw), target=target, train_dataset=data,
-                            processing_class=tok)
+    resumed = DFlashTrainer(
+        args=config(tmp_path / "res", **kw), target=target, train_dataset=data, processing_class=tok
+    )
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
     for key, value in resumed.model.state_dict().items():
         assert torch.allclose(value, full.model.state_dict()[key], atol=1e-6), key
@@ -185,8 +212,9 @@ def test_muon_checkpoint_resumes_the_same_run(tiny, tmp_path):
 
 def test_bf16_autocast_trains_on_cpu(tiny, tmp_path):
     target, tok, data = tiny
-    trainer = DFlashTrainer(args=config(tmp_path, bf16=True, max_steps=2), target=target, train_dataset=data,
-                            processing_class=tok)
+    trainer = DFlashTrainer(
+        args=config(tmp_path, bf16=True, max_steps=2), target=target, train_dataset=data, processing_class=tok
+    )
     seen = []
     handle = trainer.model.layers[0].mlp.gate_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     trainer.train()
@@ -199,8 +227,16 @@ def test_held_out_acceptance_selects_the_best_checkpoint(tiny, tmp_path):
     """Evaluation uses every anchor (deterministic), reports blockwise acceptance, and with load_best_model_at_end
     the best evaluation's weights are the ones kept; early stopping ends a run that stopped improving."""
     target, tok, data = tiny
-    args = config(tmp_path, max_steps=6, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
-                  load_best_model_at_end=True, per_device_eval_batch_size=6)
+    args = config(
+        tmp_path,
+        max_steps=6,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        load_best_model_at_end=True,
+        per_device_eval_batch_size=6,
+    )
     assert args.metric_for_best_model == "acceptance_length_blockwise" and args.greater_is_better
     trainer = DFlashTrainer(args=args, target=target, train_dataset=data, eval_dataset=data, processing_class=tok)
     first = trainer.evaluate()
@@ -214,8 +250,17 @@ def test_held_out_acceptance_selects_the_best_checkpoint(tiny, tmp_path):
     assert trainer.state.best_metric == best
     assert abs(trainer.evaluate()["eval_acceptance_length_blockwise"] - best) < 1e-9
 
-    stop = config(tmp_path / "stop", max_steps=40, eval_strategy="steps", eval_steps=1, save_strategy="steps",
-                  save_steps=1, load_best_model_at_end=True, early_stopping_patience=1, learning_rate=0.0)
+    stop = config(
+        tmp_path / "stop",
+        max_steps=40,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        load_best_model_at_end=True,
+        early_stopping_patience=1,
+        learning_rate=0.0,
+    )
     stopper = DFlashTrainer(args=stop, target=target, train_dataset=data, eval_dataset=data, processing_class=tok)
     stopper.train()
     assert stopper.state.global_step < 40  # lr 0: no improvement, stopped after one patient evaluation
@@ -230,8 +275,9 @@ def test_bad_recipe_values_are_rejected(tmp_path):
 
 def test_max_train_samples_trains_on_a_prefix(tiny, tmp_path):
     target, tok, data = tiny
-    trainer = DFlashTrainer(args=config(tmp_path, max_train_samples=2), target=target, train_dataset=data,
-                            processing_class=tok)
+    trainer = DFlashTrainer(
+        args=config(tmp_path, max_train_samples=2), target=target, train_dataset=data, processing_class=tok
+    )
     assert len(trainer.train_dataset) == 2
     assert [trainer.train_dataset[i]["input_ids"] for i in range(2)] == [data[i]["input_ids"] for i in range(2)]
     with pytest.raises(ValueError, match="max_train_samples"):
@@ -249,8 +295,15 @@ def test_train_command_reads_a_yaml_recipe_and_flags_override_it(tiny, tmp_path)
     tok.save_pretrained(tmp_path / "target")
     from dflash_hf.data.make import make_data
 
-    make_data(target, tok, tmp_path / "data", source=str(write_prompts(tmp_path / "p.jsonl")), max_new_tokens=12,
-              held_out_fraction=0.0, progress=False)
+    make_data(
+        target,
+        tok,
+        tmp_path / "data",
+        source=str(write_prompts(tmp_path / "p.jsonl")),
+        max_new_tokens=12,
+        held_out_fraction=0.0,
+        progress=False,
+    )
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
         f"target: {tmp_path / 'target'}\ndata: {tmp_path / 'data'}\nbase_model: test-org/tiny\n"
@@ -270,14 +323,22 @@ def test_a_saved_bf16_drafter_continues_training_in_fp32(tiny, tmp_path):
     target, tok, data = tiny
     first = DFlashTrainer(args=config(tmp_path / "a"), target=target, train_dataset=data, processing_class=tok)
     first.model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
-    warm = DFlashTrainer(model=str(tmp_path / "bf16"), args=config(tmp_path / "b", max_steps=1), target=target,
-                         train_dataset=data, processing_class=tok)
+    warm = DFlashTrainer(
+        model=str(tmp_path / "bf16"),
+        args=config(tmp_path / "b", max_steps=1),
+        target=target,
+        train_dataset=data,
+        processing_class=tok,
+    )
     assert all(p.dtype == torch.float32 for p in warm.model.parameters())
     warm.train()
 
 
-@pytest.mark.parametrize("recipe", sorted((__import__("pathlib").Path(__file__).parents[1] / "examples" / "recipes")
-                                          .glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "recipe",
+    sorted((__import__("pathlib").Path(__file__).parents[1] / "examples" / "recipes").glob("*.yaml")),
+    ids=lambda p: p.name,
+)
 def test_shipped_recipes_parse(recipe):
     """Every recipe under examples/recipes/ is a valid `dflash-hf train --config` file."""
     from dflash_hf.commands.train import _trl_parser

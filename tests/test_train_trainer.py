@@ -37,8 +37,9 @@ def tiny(tmp_path_factory):
         tok = make_tokenizer()
         root = tmp_path_factory.mktemp("train")
         prompts = write_prompts(root / "prompts.jsonl")
-        make_data(target, tok, root / "data", source=str(prompts), max_new_tokens=24, held_out_fraction=0.0,
-                  progress=False)
+        make_data(
+            target, tok, root / "data", source=str(prompts), max_new_tokens=24, held_out_fraction=0.0, progress=False
+        )
         return target, tok, load_training_data(root / "data"), root
 
 
@@ -115,8 +116,11 @@ def test_offline_features_match_online(tiny, tmp_path):
     assert abs(online.item() - cached.item()) < 2e-2 * max(1.0, online.item())
     # the trainer builds the offline dataset itself from features_dir
     off_trainer = DFlashTrainer(
-        model=trainer.model, args=config(tmp_path / "off", features="offline", features_dir=str(feats), max_steps=1),
-        target=target, train_dataset=data, processing_class=tok,
+        model=trainer.model,
+        args=config(tmp_path / "off", features="offline", features_dir=str(feats), max_steps=1),
+        target=target,
+        train_dataset=data,
+        processing_class=tok,
     )
     assert isinstance(off_trainer.train_dataset, OfflineFeatureDataset)
     off_trainer.train()
@@ -184,8 +188,9 @@ def test_resume_continues_the_same_run(tiny, tmp_path):
     assert not list((tmp_path / "full" / "checkpoint-2").glob("pytorch_model*"))  # weights: safetensors only
 
     torch.manual_seed(123)  # a different process state: everything must come from the checkpoint
-    resumed = DFlashTrainer(args=config(tmp_path / "res", **kw), target=target, train_dataset=data,
-                            processing_class=tok)
+    resumed = DFlashTrainer(
+        args=config(tmp_path / "res", **kw), target=target, train_dataset=data, processing_class=tok
+    )
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
     assert resumed.state.global_step == 4
     for key, value in resumed.model.state_dict().items():
@@ -209,8 +214,9 @@ def test_reduced_draft_vocabulary_from_response_tokens(tiny, tmp_path):
     target, tok, data, _ = tiny
     counts = Counter(t for row in data for t, m in zip(row["input_ids"], row["loss_mask"]) if m)
     size = min(8, len(counts))
-    trainer = DFlashTrainer(args=config(tmp_path, draft_vocab_size=size), target=target, train_dataset=data,
-                            processing_class=tok)
+    trainer = DFlashTrainer(
+        args=config(tmp_path, draft_vocab_size=size), target=target, train_dataset=data, processing_class=tok
+    )
     chosen = trainer.model.draft_token_ids.tolist()
     assert chosen == sorted(chosen) and len(chosen) == size
     left_out = [c for t, c in counts.items() if t not in chosen]
@@ -219,7 +225,14 @@ def test_reduced_draft_vocabulary_from_response_tokens(tiny, tmp_path):
     loss, stats = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
     assert torch.isfinite(loss)
     # a label outside the draft vocabulary can never count as correct
-    blocks = build_blocks(batch["input_ids"], batch["loss_mask"], anchors[0], anchors[1], trainer.block_size,
-                          trainer.mask_token_id, trainer.loss_decay_gamma)
+    blocks = build_blocks(
+        batch["input_ids"],
+        batch["loss_mask"],
+        anchors[0],
+        anchors[1],
+        trainer.block_size,
+        trainer.mask_token_id,
+        trainer.loss_decay_gamma,
+    )
     outside = ~torch.isin(blocks.labels, trainer.draft_token_ids)
     assert not stats["correct"][stats["selected"] & outside].any()

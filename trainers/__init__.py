@@ -1,9 +1,9 @@
 """DFlash training (installed as `dflash_hf.trainers`).
 
-    >>> from dflash_hf.trainers import DFlashTrainer, DFlashTrainingConfig
-    >>> args = DFlashTrainingConfig(output_dir="drafter", block_size=16, num_anchors=512)
-    >>> trainer = DFlashTrainer(args=args, target=target, train_dataset=dataset, processing_class=tokenizer)
-    >>> trainer.train()
+>>> from dflash_hf.trainers import DFlashTrainer, DFlashTrainingConfig
+>>> args = DFlashTrainingConfig(output_dir="drafter", block_size=16, num_anchors=512)
+>>> trainer = DFlashTrainer(args=args, target=target, train_dataset=dataset, processing_class=tokenizer)
+>>> trainer.train()
 """
 
 from .collator import DFlashDataCollator

@@ -127,7 +127,9 @@ class DFlashTrainingConfig(TrainingArguments):
 
     def __post_init__(self):
         if int(self.block_size) < 2:
-            raise ValueError(f"block_size must be >= 2 (an anchor plus at least one predicted slot), got {self.block_size}.")
+            raise ValueError(
+                f"block_size must be >= 2 (an anchor plus at least one predicted slot), got {self.block_size}."
+            )
         if int(self.num_anchors) < 1:
             raise ValueError(f"num_anchors must be >= 1, got {self.num_anchors}.")
         if int(self.max_length) < int(self.block_size) + 1:

@@ -92,7 +92,9 @@ def sample_anchors(
     return anchors, anchor_valid
 
 
-def block_attention_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+def block_attention_mask(
+    anchors: torch.Tensor, anchor_valid: torch.Tensor, seq_len: int, block_size: int
+) -> torch.Tensor:
     """Dense boolean mask `(batch, 1, A * B, seq_len + A * B)`, True = attend.
 
     Query row `j * B + i` (block `j`, slot `i`) sees context keys `c < anchor_j` and the keys of its own block
@@ -124,9 +126,7 @@ def flex_block_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, seq_len: 
         in_block = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_size == j)
         return in_ctx | in_block
 
-    return create_block_mask(
-        mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=seq_len + q_len, device=anchors.device
-    )
+    return create_block_mask(mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=seq_len + q_len, device=anchors.device)
 
 
 @dataclass

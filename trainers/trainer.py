@@ -267,7 +267,9 @@ class DFlashTrainer(Trainer):
         }
 
     @torch.no_grad()
-    def target_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def target_features(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Tapped target hidden states `(b, n, k * H)` and final normed hidden states `(b, n, H)` for a right-padded
         batch (online mode)."""
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
@@ -356,7 +358,9 @@ class DFlashTrainer(Trainer):
             labels = self.target_to_draft[labels]
         ce = F.cross_entropy(logits, labels, reduction="none", ignore_index=-100)
         if self.distill_weight > 0:
-            soft = self._distillation_ce(logits, teacher, blocks.position_ids[:, seq:].view(batch, num, block), selected)
+            soft = self._distillation_ce(
+                logits, teacher, blocks.position_ids[:, seq:].view(batch, num, block), selected
+            )
             ce = (1.0 - self.distill_weight) * ce + self.distill_weight * soft
         loss = (ce * weights).sum() / weights.sum()
         correct = torch.zeros_like(selected)

@@ -230,8 +230,13 @@ def default_methods(
         ),
     ]
     methods += [
-        BenchMethod(f"dflash_b{size}", f"dflash-hf B={size}", _engine_runner(target, drafter, size),
-                    f"dflash_hf.generate(block_size={size})", block_size=size)
+        BenchMethod(
+            f"dflash_b{size}",
+            f"dflash-hf B={size}",
+            _engine_runner(target, drafter, size),
+            f"dflash_hf.generate(block_size={size})",
+            block_size=size,
+        )
         for size in sizes
     ]
     if adaptive:

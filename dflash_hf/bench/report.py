@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..fileio import atomic_write, atomic_write_text
+from .profile import plot_profiles
 from .run import BENCH_FORMAT, BenchResult
 
 JSON_NAME = "bench.json"
@@ -17,6 +18,7 @@ PLOT_NAMES = {
     "speedup": "speedup.png",
     "accepted_lengths": "accepted_lengths.png",
     "acceptance_by_slot": "acceptance_by_slot.png",
+    "cost_profile": "cost_profile.png",
 }
 
 
@@ -83,14 +85,18 @@ def render_markdown(
     gpu = f", GPU {hardware['gpu']}" if hardware.get("gpu") else ""
     drafter = str(settings.get("drafter", "given")).replace("\\", "/")
     in_package = drafter.split("/dflash_hf/bundled/")
-    drafter = f"the bundled drafter `dflash_hf/bundled/{in_package[1]}`" if len(in_package) == 2 else f"the drafter `{drafter}`"
+    drafter = (
+        f"the bundled drafter `dflash_hf/bundled/{in_package[1]}`"
+        if len(in_package) == 2
+        else f"the drafter `{drafter}`"
+    )
     lines = [
         heading,
         "",
         f"{settings.get('target', settings.get('target_model_type'))} with {drafter} "
         f"(trained block size {settings['drafter_block_size']}): "
         f"{settings['num_prompts']} prompts of {source}, greedy, at most {settings['max_new_tokens']} new tokens, "
-        f"batch 1, {settings['dtype']}.",
+        f"batch 1, {settings.get('precision') or settings['dtype']}.",
         "",
         markdown_table(document).rstrip("\n"),
         "",
@@ -101,6 +107,7 @@ def render_markdown(
         f"![Speedup by method]({prefix}{PLOT_NAMES['speedup']})",
         f"![Accepted lengths]({prefix}{PLOT_NAMES['accepted_lengths']})",
         f"![Acceptance rate by block slot]({prefix}{PLOT_NAMES['acceptance_by_slot']})",
+        *_cost_lines(document.get("cost_profile"), prefix),
         "",
         f"Hardware: {hardware['cpu']} ({hardware['torch_threads']} torch threads of {hardware['cpus_available']} "
         f"CPUs available{gpu}, device {hardware['device']}); torch {hardware['torch']}, transformers "
@@ -112,6 +119,37 @@ def render_markdown(
     if not document["exact"]:
         lines += ["", f"**Warning: {len(document['mismatches'])} output(s) differ from plain greedy decoding.**"]
     return "\n".join(lines) + "\n"
+
+
+def _cost_lines(profile: dict[str, Any] | None, prefix: str) -> list[str]:
+    """The cost-profile table (target forward per token count, drafter per block size) and its plot, if measured."""
+    if not profile:
+        return []
+    counts = list(profile["target_ms"])
+    blocks = list(profile["drafter_ms"])
+    lines = [
+        "",
+        f"Forward costs on this machine ({profile['dtype']}, {profile['context_tokens']}-token context"
+        f"{', multi-token target forwards row-exact' if profile.get('row_exact') else ''}), in ms and relative to one "
+        "1-token target step:",
+        "",
+        "| | "
+        + " | ".join(f"{k} tok" for k in counts)
+        + (" | " + " | ".join(f"draft B={b}" for b in blocks) if blocks else "")
+        + " |",
+        "|---|" + "---:|" * (len(counts) + len(blocks)),
+        "| ms | "
+        + " | ".join(f"{profile['target_ms'][k]:.1f}" for k in counts)
+        + (" | " + " | ".join(f"{profile['drafter_ms'][b]:.1f}" for b in blocks) if blocks else "")
+        + " |",
+        "| x step | "
+        + " | ".join(f"{profile['target_relative'][k]:.2f}" for k in counts)
+        + (" | " + " | ".join(f"{profile['drafter_relative'][b]:.2f}" for b in blocks) if blocks else "")
+        + " |",
+        "",
+        f"![Forward cost relative to a 1-token step]({prefix}{PLOT_NAMES['cost_profile']})",
+    ]
+    return lines
 
 
 def _plot_speedup(document: dict[str, Any], axes) -> None:
@@ -156,7 +194,10 @@ def _plot_acceptance_by_slot(document: dict[str, Any], axes) -> None:
     for i, method in enumerate(methods):
         rates = method["summary"]["acceptance_rate_by_slot"]
         axes.plot(
-            range(1, len(rates) + 1), rates, marker="os^vDP"[i % 6], linestyle=("-", "--", ":")[i % 3],
+            range(1, len(rates) + 1),
+            rates,
+            marker="os^vDP"[i % 6],
+            linestyle=("-", "--", ":")[i % 3],
             label=method["label"],
         )
     axes.set_xlabel("draft slot (1 = first drafted token)")
@@ -168,7 +209,8 @@ def _plot_acceptance_by_slot(document: dict[str, Any], axes) -> None:
 
 
 def write_plots(result: BenchResult | dict[str, Any] | str | os.PathLike, out_dir: str | os.PathLike) -> list[Path]:
-    """Write the PNG plots (speedup by method, accepted-length histogram, acceptance by slot); returns their paths."""
+    """Write the PNG plots (speedup by method, accepted-length histogram, acceptance by slot and, when measured, the
+    cost profile); returns their paths."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -176,11 +218,14 @@ def write_plots(result: BenchResult | dict[str, Any] | str | os.PathLike, out_di
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for key, draw in (
+    plots = [
         ("speedup", _plot_speedup),
         ("accepted_lengths", _plot_accepted_lengths),
         ("acceptance_by_slot", _plot_acceptance_by_slot),
-    ):
+    ]
+    if document.get("cost_profile"):
+        plots.append(("cost_profile", lambda doc, axes: plot_profiles([doc["cost_profile"]], axes)))
+    for key, draw in plots:
         figure = Figure(figsize=(8, 4.5), layout="constrained")
         FigureCanvasAgg(figure)
         draw(document, figure.add_subplot())

@@ -24,6 +24,7 @@ from ..engine.acceptance import acceptance_rate_by_slot
 from ..modeling import DFlashDraftModel
 from ..runtime import available_cpus
 from .methods import BenchMethod, MethodRun, default_methods
+from .profile import measure_costs
 
 BENCH_FORMAT = "dflash-hf-bench/1"
 
@@ -40,6 +41,7 @@ class BenchResult:
     results: dict[str, list[dict[str, Any]]]
     mismatches: list[dict[str, Any]] = field(default_factory=list)
     command: str | None = None
+    cost_profile: dict[str, Any] | None = None
 
     @property
     def exact(self) -> bool:
@@ -59,6 +61,7 @@ class BenchResult:
             "methods": self.methods,
             "prompts": self.prompts,
             "results": self.results,
+            "cost_profile": self.cost_profile,
         }
 
 
@@ -176,6 +179,7 @@ def run_bench(
     warmup_tokens: int = 16,
     settings: dict[str, Any] | None = None,
     progress: bool = True,
+    profile_costs: bool = True,
 ) -> BenchResult:
     """Run every method on every prompt and compare each output with plain greedy decoding.
 
@@ -189,13 +193,17 @@ def run_bench(
         warmup_tokens: Each method first decodes this many tokens of the first prompt, untimed (0: no warm-up).
         settings: Extra settings to record in the result (prompt source, threads, command-line options, ...).
         progress: Show tqdm progress bars.
+        profile_costs: Also measure the forward costs of both models on this machine (see
+            [`dflash_hf.bench.profile.measure_costs`]), after the methods' warm-up and before the timed runs.
 
     Returns:
         A [`BenchResult`]; `result.mismatches` lists every output that differs from greedy (also printed to stderr).
     """
-    methods = _checked(prompts, max_new_tokens, warmup_tokens, default_methods(target, drafter) if methods is None else methods)
+    methods = _checked(
+        prompts, max_new_tokens, warmup_tokens, default_methods(target, drafter) if methods is None else methods
+    )
     inputs = [torch.tensor([p.input_ids], dtype=torch.long, device=target.device) for p in prompts]
-    runs = _decode_all(methods, inputs, max_new_tokens, warmup_tokens, progress)
+    runs, costs = _decode_all(methods, inputs, max_new_tokens, warmup_tokens, progress, profile_costs, target, drafter)
     results, summaries, mismatches = _compare(methods, runs, prompts)
     _print_mismatches(mismatches)
     recorded = {
@@ -220,6 +228,7 @@ def run_bench(
         methods=summaries,
         results=results,
         mismatches=mismatches,
+        cost_profile=costs,
     )
 
 
@@ -259,12 +268,21 @@ def _checked(
 
 @torch.no_grad()
 def _decode_all(
-    methods: list[BenchMethod], inputs: list[torch.LongTensor], max_new_tokens: int, warmup_tokens: int, progress: bool
-) -> dict[str, list[MethodRun]]:
-    """Warm every method up, then run them prompt by prompt (interleaved); the runs of each method, by name."""
+    methods: list[BenchMethod],
+    inputs: list[torch.LongTensor],
+    max_new_tokens: int,
+    warmup_tokens: int,
+    progress: bool,
+    profile_costs: bool,
+    target: PreTrainedModel,
+    drafter: DFlashDraftModel,
+) -> tuple[dict[str, list[MethodRun]], dict[str, Any] | None]:
+    """Warm every method up, profile the forward costs if asked, then run the methods prompt by prompt
+    (interleaved); returns the runs of each method, by name, and the cost profile."""
     if warmup_tokens:
         for method in tqdm(methods, desc="warm-up", unit="method", disable=not progress):
             method.run(inputs[0], min(warmup_tokens, max_new_tokens))
+    costs = measure_costs(target, drafter) if profile_costs else None
     runs: dict[str, list[MethodRun]] = {m.name: [] for m in methods}
     with tqdm(total=len(inputs) * len(methods), desc="bench", unit="run", disable=not progress) as bar:
         for index, prompt_ids in enumerate(inputs):
@@ -272,7 +290,7 @@ def _decode_all(
                 bar.set_postfix_str(f"prompt {index} {method.name}")
                 runs[method.name].append(method.run(prompt_ids, max_new_tokens))
                 bar.update()
-    return runs
+    return runs, costs
 
 
 def _compare(
@@ -281,7 +299,9 @@ def _compare(
     """Per-prompt records, per-method summaries and mismatches, each method against the first (the reference)."""
     reference_name = methods[0].name
     reference = runs[reference_name]
-    reference_rate = _summary([_per_prompt(i, run, None) for i, run in enumerate(reference)], None, None)["tokens_per_s"]
+    reference_rate = _summary([_per_prompt(i, run, None) for i, run in enumerate(reference)], None, None)[
+        "tokens_per_s"
+    ]
     results: dict[str, list[dict[str, Any]]] = {}
     summaries: list[dict[str, Any]] = []
     mismatches: list[dict[str, Any]] = []

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .. import bench
+from ..modeling import DFlashConfig
 from ..runtime import available_cpus
 from ..targets import resolve_drafter_dir
 from . import add_model_arguments, load_models
@@ -50,9 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--num-prompts", type=int, default=10, help="Number of prompts (default: 10).")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="Most new tokens per prompt (default: 128).")
-    parser.add_argument(
-        "--max-prompt-tokens", type=int, default=512, help="Skip longer prompts (default: 512 tokens)."
-    )
+    parser.add_argument("--max-prompt-tokens", type=int, default=512, help="Skip longer prompts (default: 512 tokens).")
     parser.add_argument(
         "--block-sizes",
         type=_block_sizes,
@@ -65,9 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="",
         help="Comma-separated methods to leave out: prompt_lookup, native_dflash (plain greedy always runs).",
     )
-    parser.add_argument(
-        "--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (default: 10)."
-    )
+    parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (default: 10).")
     parser.add_argument(
         "--warmup-tokens", type=int, default=16, help="Untimed warm-up tokens per method (default: 16; 0: none)."
     )
@@ -117,12 +114,14 @@ def _command_line(args: argparse.Namespace, drafter: Path, threads: int | None) 
         "--prompt-lookup-tokens", str(args.prompt_lookup_tokens),
         "--warmup-tokens", str(args.warmup_tokens),
         "--device", str(args.device),
+        "--dtype", str(args.dtype),
         "--out", str(args.out),
     ]  # fmt: skip
     if threads is not None:
         argv += ["--threads", str(threads)]
-    argv += [flag for flag, on in (("--no-adaptive", args.no_adaptive), ("--no-chat-template", args.no_chat_template))
-             if on]
+    argv += [
+        flag for flag, on in (("--no-adaptive", args.no_adaptive), ("--no-chat-template", args.no_chat_template)) if on
+    ]
     if args.skip:
         argv += ["--skip", args.skip]
     return shlex.join(argv)
@@ -159,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
         threads = args.threads or available_cpus()
         torch.set_num_threads(threads)
 
-    target, tokenizer, drafter = load_models(args.target, drafter_dir, device)
+    max_block = int(DFlashConfig.from_pretrained(drafter_dir).block_size)  # no method verifies a larger block
+    target, tokenizer, drafter, precision = load_models(args.target, drafter_dir, device, args.dtype, max_block)
     prompts, prompt_info = bench.load_bench_prompts(
         args.prompts,
         tokenizer,
@@ -193,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
             "prompt_set": prompt_info,
             "threads": threads,
             "device": str(device),
+            "precision": precision,
         },
         progress=not args.no_progress,
     )

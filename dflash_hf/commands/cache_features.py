@@ -14,7 +14,9 @@ def register(subparsers) -> None:
     parser.add_argument("--target", required=True, help="Named target, folder or Hub id (the one that made the data).")
     parser.add_argument("--data", required=True, help="A `dflash-hf make-data` folder.")
     parser.add_argument("--out", required=True, help="Features folder (resumed if it exists).")
-    parser.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="Tapped layers (default: spread).")
+    parser.add_argument(
+        "--target-layer-ids", type=int, nargs="+", default=None, help="Tapped layers (default: spread)."
+    )
     parser.add_argument("--num-target-features", type=int, default=5, help="Number of taps if no ids are given.")
     parser.add_argument("--drafter", default=None, help="Take the tapped layers from this drafter's config.")
     parser.add_argument("--max-length", type=int, default=3072, help="Truncate rows to this many tokens.")

@@ -3,12 +3,14 @@
 With no flags it uses the default named target (`smollm2-135m`, see `dflash_hf.targets`) and the drafter bundled
 in the package for it. The answer is streamed as it is committed; the last line reports the number of new tokens,
 `tau` (tokens committed per target verify forward) and tokens/s, and with `--compare` the speedup over plain
-`target.generate` of the same prompt, measured in the same process, and whether both outputs are identical.
+`target.generate` of the same prompt, measured in the same process and precision after one untimed warm-up, and
+whether both outputs are identical. The precision used (`--dtype`, default `auto`) and why is printed first, on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -113,13 +115,16 @@ def run(args: argparse.Namespace) -> int:
             f"got {args.block_size}."
         )
 
-    target, tokenizer, drafter = load_models(args.target, drafter_dir, device)
+    max_block = args.block_size or int(drafter_config.block_size)
+    target, tokenizer, drafter, precision = load_models(args.target, drafter_dir, device, args.dtype, max_block)
+    print(f"precision: {precision}", file=sys.stderr, flush=True)
     inputs = _encode(tokenizer, args.prompt, use_template=not args.no_chat_template)
     inputs = {key: value.to(device) for key, value in inputs.items()}
     check_context_length(target, inputs["input_ids"].shape[1], args.max_new_tokens)  # before any forward
     common = dict(max_new_tokens=args.max_new_tokens, **sampling)
 
-    # one short untimed pass (a few prompt tokens) so that neither timed run pays for first-call set-up
+    # one short untimed pass (a few prompt tokens) so that neither timed run pays for first-call set-up (kernel
+    # selection, oneDNN weight packing); both timed runs below are warm
     warmup_ids = inputs["input_ids"][:, :WARMUP_PROMPT_TOKENS]
     generate(target, drafter, warmup_ids, max_new_tokens=2, do_sample=False, block_size=args.block_size)
 
@@ -164,6 +169,4 @@ def _compare(
         identical = "n/a (sampling)"
     else:
         identical = "yes" if torch.equal(new_tokens.cpu(), baseline_tokens.cpu()) else "no"
-    return (
-        f"plain {mode}: {baseline_rate:.2f} tokens/s | speedup: {rate / baseline_rate:.2f}x | identical: {identical}"
-    )
+    return f"plain {mode} ({str(target.dtype).replace('torch.', '')}): {baseline_rate:.2f} tokens/s | speedup: {rate / baseline_rate:.2f}x | identical: {identical}"

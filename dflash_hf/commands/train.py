@@ -29,12 +29,18 @@ class DFlashScriptArguments:
     """What to train on: the target, the data and where the final drafter goes."""
 
     target: str = field(metadata={"help": "Target: named (smollm2-135m, gemma3-270m), a folder or a Hub id."})
-    data: str = field(metadata={"help": "A `dflash-hf make-data` folder (or a datasets folder with input_ids, loss_mask)."})
+    data: str = field(
+        metadata={"help": "A `dflash-hf make-data` folder (or a datasets folder with input_ids, loss_mask)."}
+    )
     eval_data: str | None = field(default=None, metadata={"help": "Optional evaluation set (same layout as --data)."})
     drafter: str | None = field(default=None, metadata={"help": "Start from this drafter instead of a new one."})
     target_dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16."})
-    export_dir: str | None = field(default=None, metadata={"help": "Final Hub-ready drafter (default OUTPUT_DIR/final)."})
-    export_format: str = field(default="dflash-hf", metadata={"help": "'dflash-hf' or 'official' (SGLang/vLLM layout)."})
+    export_dir: str | None = field(
+        default=None, metadata={"help": "Final Hub-ready drafter (default OUTPUT_DIR/final)."}
+    )
+    export_format: str = field(
+        default="dflash-hf", metadata={"help": "'dflash-hf' or 'official' (SGLang/vLLM layout)."}
+    )
     base_model: str | None = field(
         default=None, metadata={"help": "Hub id of the target for the model card (needed when --target is a folder)."}
     )
@@ -203,6 +209,11 @@ def _export(drafter, export_dir: str, target, script: DFlashScriptArguments, tra
         drafter.save_pretrained(export_dir)
         return Path(export_dir)
     return export(
-        drafter, export_dir, target=target, format=script.export_format, training=training, base_model=base_model,
+        drafter,
+        export_dir,
+        target=target,
+        format=script.export_format,
+        training=training,
+        base_model=base_model,
         overwrite=True,
     )

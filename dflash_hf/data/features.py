@@ -195,8 +195,13 @@ def cache_features(
         atomic_write(out / name, lambda tmp: save_file(pending, str(tmp), metadata={"format": FEATURES_FORMAT}))
         set_ordinary_mode(out / name)
         index["shards"].append(
-            {"file": name, "start": pending_start, "end": end, "lengths": [len(s) for s in pending_seqs],
-             "fingerprint": _fingerprint(pending_seqs)}
+            {
+                "file": name,
+                "start": pending_start,
+                "end": end,
+                "lengths": [len(s) for s in pending_seqs],
+                "fingerprint": _fingerprint(pending_seqs),
+            }
         )
         _write_index(out, index)
         pending, pending_start, pending_bytes, pending_seqs = {}, end, 0, []

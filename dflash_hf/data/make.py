@@ -249,8 +249,9 @@ def make_data(
     goal = len(train) if max_samples is None else min(max_samples, len(train))
     encoded = _encoded(train, done_ids, tokenizer, use_chat_template, max_prompt_tokens, skipped)
     started = time.time()
-    generated = _regenerate_parts(target, tokenizer, out / "parts", encoded, done, goal, batch_size, max_new_tokens,
-                                  progress)
+    generated = _regenerate_parts(
+        target, tokenizer, out / "parts", encoded, done, goal, batch_size, max_new_tokens, progress
+    )
 
     write_dataset(out, done)
     counts = {**counts, "generated_this_run": generated, "skipped_long_prompts": skipped["long"]}
@@ -306,4 +307,3 @@ def read_manifest(path: str | os.PathLike) -> dict | None:
     """The manifest of a make-data folder, or `None` for a plain `datasets` folder."""
     manifest = Path(path) / MANIFEST_NAME
     return json.loads(manifest.read_text()) if manifest.is_file() else None
-

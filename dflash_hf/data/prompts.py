@@ -222,7 +222,9 @@ def split_of(conversation_id: str, held_out_fraction: float, seed: int = 0) -> s
     return "held_out" if value < held_out_fraction else "train"
 
 
-def load_prompts(source: str, held_out_fraction: float = 0.01, seed: int = 0) -> tuple[list[Prompt], list[Prompt], dict]:
+def load_prompts(
+    source: str, held_out_fraction: float = 0.01, seed: int = 0
+) -> tuple[list[Prompt], list[Prompt], dict]:
     """Read a prompt source: `(train prompts, held-out prompts, counts)`, de-duplicated, HumanEval removed."""
     if _is_humaneval_source(source):
         raise ValueError(
@@ -371,4 +373,3 @@ def load_bench_prompts(
         "used": len(prompts),
     }
     return prompts, info
-

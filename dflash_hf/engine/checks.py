@@ -18,7 +18,7 @@ def check_inputs(
     if not isinstance(input_ids, torch.Tensor):
         raise ValueError(
             f"`input_ids` must be a tensor of token ids of shape (batch, length), got {type(input_ids).__name__}: "
-            "pass the tokenizer's `input_ids` (`return_tensors=\"pt\"`)."
+            'pass the tokenizer\'s `input_ids` (`return_tensors="pt"`).'
         )
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
         raise ValueError(
@@ -59,7 +59,7 @@ def check_inputs(
     if right.numel():
         raise ValueError(
             f"Row {int(right[0])} of the batch ends with padding (right padding): DFlash generation needs left-padded "
-            "prompts; set `tokenizer.padding_side = \"left\"` before tokenizing the batch."
+            'prompts; set `tokenizer.padding_side = "left"` before tokenizing the batch.'
         )
     return input_ids, attention_mask
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import numbers
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from ..modeling import DFlashDraftModel
 from ..runtime import Stopwatch
 from ..targets import first_token_id
+from . import row_exact
 from .acceptance import greedy_accept, rejection_sample
 from .adapters import TargetAdapter
 from .block_size import BlockSizePolicy, make_block_size_policy
@@ -54,6 +56,22 @@ def _mask_or_none(mask: torch.Tensor, block: int = 0) -> torch.Tensor | None:
     if bool(mask.all()):
         return None
     return torch.cat([mask, mask.new_ones(mask.shape[0], block)], dim=1) if block else mask
+
+
+def _row_exact_verification(target: PreTrainedModel, max_block: int) -> bool:
+    """Whether verify forwards must run row-exact (a bf16/fp16 target on CPU, see `row_exact`); warns once if that
+    cannot be made bit-exact on this machine."""
+    if target.device.type != "cpu" or target.dtype == torch.float32:
+        return False
+    if row_exact.install(target, max_block):
+        return True
+    warnings.warn(
+        f"Verifying {max_block}-token blocks in {str(target.dtype).replace('torch.', '')} on this CPU does not give "
+        "every token the bits a one-token step gives it, so greedy outputs may drift from plain greedy decoding: "
+        "load the target in float32 for exact outputs (or use `sdpa` attention, which dflash-hf can make row-exact).",
+        stacklevel=4,
+    )
+    return False
 
 
 @dataclass
@@ -102,6 +120,7 @@ class _GenerationCall:
         self.policy = make_block_size_policy(block_size, int(drafter.config.block_size))
         self.max_block = int(getattr(self.policy, "max_block_size", getattr(self.policy, "block_size", 0)))
         self.device = input_ids.device
+        self.row_exact = _row_exact_verification(target, self.max_block)
         self.do_sample = bool(generation_config.do_sample)
         self.process = BlockLogitsProcessor(logits_processor)
         self.stopping_criteria = stopping_criteria
@@ -300,14 +319,16 @@ class _GenerationCall:
     def _verify(self, state: _ActiveRows, block_pos: torch.LongTensor, draft_tokens, draft_probs):
         """4. One target forward over the whole block; returns `(accepted drafts, next tokens, target step)`."""
         block_ids = torch.cat([state.anchors[:, None], draft_tokens], dim=1)
-        with self.verify_timer:
+        with self.verify_timer, row_exact.verification(self.row_exact):
             verify_mask = _mask_or_none(state.mask, block_ids.shape[1])
             step = self.adapter.forward(block_ids, verify_mask, block_pos, self.target_cache)
             target_logits = self.adapter.logits(step.last_hidden_state)
             accepted, next_tokens = self._accept(target_logits, block_ids, draft_tokens, draft_probs, state.rows)
         return accepted, next_tokens, step
 
-    def _commit(self, state: _ActiveRows, block: int, block_pos, draft_tokens, accepted, next_tokens, step) -> list[int]:
+    def _commit(
+        self, state: _ActiveRows, block: int, block_pos, draft_tokens, accepted, next_tokens, step
+    ) -> list[int]:
         """5. Anchor + accepted drafts enter the caches, the target's token becomes the next anchor, tokens are
         emitted. Returns the tokens kept per row."""
         kept = accepted + 1

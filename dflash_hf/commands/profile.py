@@ -1,0 +1,118 @@
+"""`dflash-hf profile`: what a target forward of k tokens and a drafter forward cost here, per precision.
+
+Loads the target and drafter in each requested precision in turn and times, on a cached context, the target's
+forward for each token count and the drafter's for each block size (see `dflash_hf.bench.profile`). Prints a table
+and writes `profile.json` and `profile.png` (cost relative to a 1-token step vs tokens per forward) into `--out`.
+`dflash-hf bench` measures the same profile for the precision it runs in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+from ..bench.profile import DEFAULT_TOKEN_COUNTS, measure_costs, plot_profiles
+from ..bench.run import hardware_info
+from ..fileio import atomic_write, atomic_write_text
+from ..runtime import available_cpus
+from ..targets import resolve_drafter_dir
+from . import add_model_arguments, load_models
+
+
+def _integers(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,2,4,8, got {text!r}") from err
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `profile` sub-command."""
+    parser = subparsers.add_parser(
+        "profile",
+        help="Time target forwards of k tokens and drafter forwards per block size, in each precision.",
+        description=__doc__.split("\n\n")[1].replace("\n", " "),
+    )
+    add_model_arguments(parser, dtype=False)
+    parser.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help="Comma-separated precisions to profile (default: float32,bfloat16).",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=_integers,
+        default=list(DEFAULT_TOKEN_COUNTS),
+        help="Token counts of the target forwards (default: 1,2,4,8,16).",
+    )
+    parser.add_argument("--context", type=int, default=256, help="Cached context tokens (default: 256).")
+    parser.add_argument("--repeats", type=int, default=5, help="Timed repeats per forward (median; default: 5).")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help=f"CPU threads for torch (default: the CPUs available to this process, here {available_cpus()}).",
+    )
+    parser.add_argument("--device", default="cpu", help="Device for both models (default: cpu).")
+    parser.add_argument("--out", type=Path, default=Path("profile-results"), help="Output folder.")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the `profile` sub-command; returns the exit code."""
+    dtypes = [name.strip() for name in args.dtypes.split(",") if name.strip()]
+    unknown = sorted(set(dtypes) - {"float32", "bfloat16"})
+    if unknown or not dtypes:
+        raise ValueError(f"--dtypes takes float32 and/or bfloat16, got {args.dtypes!r}.")
+    if args.context < 1 or args.repeats < 1:
+        raise ValueError("--context and --repeats must be >= 1.")
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out} exists and is not a folder: pass a folder path.")
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads or available_cpus())
+    drafter_dir = resolve_drafter_dir(args.target, args.drafter)
+    profiles = []
+    for dtype in dtypes:
+        target, _, drafter, precision = load_models(args.target, drafter_dir, device, dtype, max(args.tokens))
+        profile = measure_costs(target, drafter, tuple(args.tokens), args.context, args.repeats)
+        profile["precision"] = precision
+        profiles.append(profile)
+        del target, drafter
+    for profile in profiles:
+        print(f"{profile['precision']}:")
+        print(
+            "  target  "
+            + "  ".join(
+                f"{k} tok {v:6.1f} ms ({profile['target_relative'][k]:.2f}x)" for k, v in profile["target_ms"].items()
+            )
+        )
+        print(
+            "  drafter "
+            + "  ".join(
+                f"B={b} {v:6.1f} ms ({profile['drafter_relative'][b]:.2f}x)" for b, v in profile["drafter_ms"].items()
+            )
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    document = {"hardware": hardware_info(device), "drafter": str(drafter_dir), "profiles": profiles}
+    atomic_write_text(args.out / "profile.json", json.dumps(document, indent=1) + "\n")
+    _write_plot(profiles, args.out / "profile.png")
+    print(f"wrote {args.out / 'profile.json'}, {args.out / 'profile.png'}")
+    return 0
+
+
+def _write_plot(profiles: list[dict], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(8, 4.5), layout="constrained")
+    FigureCanvasAgg(figure)
+    plot_profiles(profiles, figure.add_subplot())
+    atomic_write(path, functools.partial(figure.savefig, format="png", dpi=120))

@@ -1,0 +1,166 @@
+"""Exact verification in reduced precision: every block row gets the bits a one-token decode step would give it.
+
+Plain greedy decoding runs the target one token at a time; a verify forward runs a block of k tokens at once. In
+float32 the two agree to the last bit almost always, so greedy argmaxes never differ in practice. In bfloat16 on CPU
+they do not: a block's attention reduces over keys in a different order for each query row than a one-token step does,
+the hidden states differ in their last bits, and bfloat16 logits (8 bits of mantissa) then tie or swap often enough
+that a block-verified answer drifts away from plain greedy decoding within a few dozen tokens.
+
+The cure here is in two parts:
+
+* Attention: [`install`] switches a target from `sdpa` to [`ATTENTION_NAME`], which *is* `sdpa` (same function,
+  same masks) except inside [`verification`]: there each query row is attended on its own, over exactly the keys a
+  one-token step at that position would see, with the mask that step would get (`None` when nothing is masked). The
+  per-row calls then have the shapes of decode steps and give their bits.
+* Linear layers: norms, rotary embeddings and activations are per row by construction, matmuls only if the kernel
+  gives a row the same bits whatever the number of rows. That depends on the CPU, the weight shape and the kernels
+  torch picks (on an AMD EPYC with avx512_bf16, SmolLM2's 1536 -> 576 `down_proj` differs, its other linears do not),
+  so [`install`] measures every linear shape and recomputes only the ones that differ row by row inside a
+  verification, then checks the whole target with [`block_rows_match_decode`], bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import copy
+import inspect
+import weakref
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTENTION_NAME = "row_exact_sdpa"  # no "flash" in it: Transformers would take it for a flash kernel
+
+# target -> (largest block probed, whether its verify forwards were bit-exact)
+_INSTALLED: "weakref.WeakKeyDictionary[PreTrainedModel, tuple[int, bool]]" = weakref.WeakKeyDictionary()
+_ROW_BY_ROW = contextvars.ContextVar("row_by_row_attention", default=False)
+
+
+def _row_exact_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """`sdpa`, or inside [`verification`] one `sdpa` call per query row with that row's decode-step keys and mask."""
+    rows = query.shape[2]
+    if rows == 1 or not _ROW_BY_ROW.get():
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    kwargs.pop("is_causal", None)  # a single query row never uses the causal flag
+    keys = key.shape[2]
+    outputs = []
+    for row in range(rows):
+        visible = keys - rows + row + 1
+        mask = None
+        if attention_mask is not None:
+            mask = attention_mask[:, :, row : row + 1, :visible]
+            if mask.dtype == torch.bool and bool(mask.all()):
+                mask = None  # Transformers passes no mask to a one-token step when nothing is masked
+        out, _ = sdpa_attention_forward(
+            module, query[:, :, row : row + 1], key[:, :, :visible], value[:, :, :visible], mask, **kwargs
+        )
+        outputs.append(out)
+    return torch.cat(outputs, dim=1), None
+
+
+AttentionInterface.register(ATTENTION_NAME, _row_exact_sdpa)
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def _rows_match(linear: torch.nn.Linear, max_rows: int, generator: torch.Generator) -> bool:
+    """Whether `linear` gives each of 2..`max_rows` rows the bits it gives that row alone."""
+    weight = linear.weight
+    for rows in range(2, max_rows + 1):
+        x = torch.randn(rows, linear.in_features, generator=generator).to(weight.device, weight.dtype)
+        together = linear(x)
+        if not all(torch.equal(together[i], linear(x[i : i + 1])[0]) for i in range(rows)):
+            return False
+    return True
+
+
+def _one_row_at_a_time(module: torch.nn.Linear, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+    """Forward hook: inside [`verification`], recompute a multi-row output row by row (the decode-step kernel)."""
+    (x,) = args
+    if not _ROW_BY_ROW.get() or x.shape[:-1].numel() == 1:
+        return None
+    flat = x.reshape(-1, x.shape[-1])
+    rows = [nn.functional.linear(flat[i : i + 1], module.weight, module.bias) for i in range(flat.shape[0])]
+    return torch.cat(rows).view(output.shape)
+
+
+@torch.no_grad()
+def install(target: PreTrainedModel, max_rows: int) -> bool:
+    """Make `target`'s verify forwards of up to `max_rows` tokens give each row its one-token-step bits, if it can.
+
+    Switches `sdpa` attention to [`ATTENTION_NAME`] and, for every linear-layer shape of the decoder whose kernel
+    gives a row different bits inside a multi-row call (measured here, on this machine), adds a forward hook that
+    recomputes it row by row inside [`verification`]. Outside [`verification`] the target computes exactly as
+    before. Then measures the whole target with [`block_rows_match_decode`] and returns the result (`False` also
+    for attention implementations other than `sdpa`, which are left alone). Installing twice is a no-op.
+    """
+    known = _INSTALLED.get(target)
+    if known is not None and known[0] >= max_rows:
+        return known[1]
+    current = getattr(target.config, "_attn_implementation", None)
+    if current == "sdpa":
+        target.set_attn_implementation(ATTENTION_NAME)
+    if target.config._attn_implementation != ATTENTION_NAME:
+        _INSTALLED[target] = (max_rows, False)
+        return False
+    generator = torch.Generator().manual_seed(0)
+    verdicts: dict[tuple, bool] = {}
+    for module in target.get_decoder().modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        shape = (tuple(module.weight.shape), module.weight.dtype, module.bias is not None)
+        if shape not in verdicts:
+            verdicts[shape] = _rows_match(module, max_rows, generator)
+        if not verdicts[shape] and not getattr(module, "_row_exact_hooked", False):
+            module.register_forward_hook(_one_row_at_a_time)
+            module._row_exact_hooked = True
+    exact = block_rows_match_decode(target, max_rows)
+    _INSTALLED[target] = (max_rows, exact)
+    return exact
+
+
+@contextlib.contextmanager
+def verification(enabled: bool = True) -> Iterator[None]:
+    """Within this block (and this thread / task), row-exact attention attends block rows one by one."""
+    token = _ROW_BY_ROW.set(enabled)
+    try:
+        yield
+    finally:
+        _ROW_BY_ROW.reset(token)
+
+
+@torch.no_grad()
+def block_rows_match_decode(target: PreTrainedModel, block_size: int, context: int = 24, seed: int = 0) -> bool:
+    """Whether a `block_size`-token forward gives every row the same logits, bit for bit, as one-token steps.
+
+    Runs on `target` itself (after [`install`]): a random context, then the same `block_size` tokens once as a block
+    under [`verification`] and once one at a time. Block sizes up to `block_size` use the same kernels for their rows
+    only if each of them matches, so callers probe every size they will verify with.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    vocab = int(target.get_input_embeddings().weight.shape[0])
+    ids = torch.randint(0, vocab, (1, context + block_size), generator=generator).to(target.device)
+    prefix = DynamicCache()
+    cache_kwarg = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+    target(ids[:, :context], use_cache=True, **{cache_kwarg: prefix})
+
+    with verification():
+        block = target(ids[:, context:], use_cache=True, **{cache_kwarg: copy.deepcopy(prefix)}).logits[0]
+    cache = copy.deepcopy(prefix)
+    steps = [
+        target(ids[:, i : i + 1], use_cache=True, **{cache_kwarg: cache}).logits[0, -1]
+        for i in range(context, context + block_size)
+    ]
+    return torch.equal(block, torch.stack(steps))

@@ -1,0 +1,178 @@
+"""Precision choice and exact reduced-precision verification: row-exact attention and linears, the per-machine
+`auto` dtype, the fallback when bf16 verification is not bit-exact, and the cost profile (never its timings)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_drafter, make_target
+from test_targets import make_llama, save_tiny_target
+
+from dflash_hf import DFlashConfig, DFlashDraftModel, cli, generate, runtime
+from dflash_hf.bench.profile import measure_costs
+from dflash_hf.commands import load_models
+from dflash_hf.engine import row_exact
+
+PROMPTS = [[1, 5, 9, 12, 5, 9, 3, 3], [1, 7, 7, 3, 30, 31, 7, 7, 40, 41, 42]]
+
+
+def _bf16_target(family: str, seed: int = 0):
+    return make_target(family, seed=seed).to(torch.bfloat16)
+
+
+class _MultiRowQuirk(torch.nn.Linear):
+    """A linear layer whose multi-row calls round differently from one-row calls (as some CPU kernels do)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out + 2.0**-4 if x.shape[:-1].numel() > 1 else out
+
+
+def _with_quirky_down_proj(target) -> None:
+    for layer in target.get_decoder().layers:
+        old = layer.mlp.down_proj
+        quirky = _MultiRowQuirk(old.in_features, old.out_features, bias=False).to(old.weight.dtype)
+        quirky.weight = old.weight
+        layer.mlp.down_proj = quirky
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("block_size", [4, 8, "adaptive"])
+def test_bf16_engine_equals_plain_bf16_greedy(family, block_size):
+    """Greedy through the engine in bf16 (row-exact verification) equals stock bf16 `generate`, token for token."""
+    reference_target = _bf16_target(family)
+    target = _bf16_target(family)
+    drafter = make_drafter(target, block_size=8).to(torch.bfloat16)
+    for ids in PROMPTS:
+        prompt = torch.tensor([ids])
+        expected = reference_target.generate(prompt, max_new_tokens=40, do_sample=False)
+        out = generate(target, drafter, prompt, max_new_tokens=40, do_sample=False, block_size=block_size)
+        if not row_exact.install(target, 8):
+            pytest.skip("this CPU's bf16 kernels cannot be made row-exact for this target (install says so)")
+        assert torch.equal(out, expected)
+    assert target.config._attn_implementation == row_exact.ATTENTION_NAME
+
+
+def test_row_exact_attention_is_sdpa_outside_verification():
+    """Installing changes nothing for ordinary forwards: prefill logits are bitwise those of stock `sdpa`."""
+    stock, target = _bf16_target("llama"), _bf16_target("llama")
+    row_exact.install(target, 4)
+    ids = torch.tensor([PROMPTS[1]])
+    assert torch.equal(stock(ids).logits, target(ids).logits)
+    assert row_exact.install(target, 4) == row_exact.install(target, 2)  # cached, idempotent
+
+
+def test_quirky_linear_is_detected_and_recomputed_row_by_row():
+    """A linear whose multi-row kernel rounds differently breaks block verification until install hooks it."""
+    target = _bf16_target("llama")
+    _with_quirky_down_proj(target)
+    linear = target.get_decoder().layers[0].mlp.down_proj
+    assert not row_exact._rows_match(linear, 4, torch.Generator().manual_seed(0))
+    target.set_attn_implementation(row_exact.ATTENTION_NAME)
+    assert not row_exact.block_rows_match_decode(target, 4)  # attention alone does not fix the linear
+    assert row_exact.install(target, 4)
+    assert all(getattr(layer.mlp.down_proj, "_row_exact_hooked", False) for layer in target.get_decoder().layers)
+    assert not getattr(target.get_decoder().layers[0].mlp.up_proj, "_row_exact_hooked", False)
+    assert row_exact.block_rows_match_decode(target, 4, seed=5)
+
+
+def test_engine_warns_when_bf16_verification_cannot_be_exact(monkeypatch):
+    target = _bf16_target("llama")
+    drafter = make_drafter(target).to(torch.bfloat16)
+    monkeypatch.setattr(row_exact, "install", lambda target, max_rows: False)
+    with pytest.warns(UserWarning, match="load the target in float32 for exact outputs"):
+        generate(target, drafter, torch.tensor([PROMPTS[0]]), max_new_tokens=4, do_sample=False)
+
+
+def test_float32_targets_are_left_alone():
+    target = make_target("llama")
+    drafter = make_drafter(target)
+    generate(target, drafter, torch.tensor([PROMPTS[0]]), max_new_tokens=4, do_sample=False)
+    assert target.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize(
+    ("device", "feature", "expected"),
+    [
+        ("cpu", None, torch.float32),
+        ("cpu", "AVX512-BF16", torch.bfloat16),
+        ("cpu", "AMX-BF16", torch.bfloat16),
+        ("cuda", None, torch.bfloat16),
+    ],
+)
+def test_auto_dtype_follows_the_machine(monkeypatch, device, feature, expected):
+    monkeypatch.setattr(runtime, "native_bf16_feature", lambda: feature)
+    dtype, reason = runtime.inference_dtype("auto", device)
+    assert dtype == expected and reason.startswith("auto: ")
+    if feature:
+        assert feature in reason
+    assert runtime.inference_dtype("float32", device) == (torch.float32, "as requested")
+    assert runtime.inference_dtype("bfloat16", device)[0] == torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("precision")
+    target_dir = save_tiny_target(root / "target")
+    config = DFlashConfig.from_target(make_llama().config, num_hidden_layers=2, block_size=4, num_target_features=2)
+    torch.manual_seed(3)
+    DFlashDraftModel(config).save_pretrained(root / "drafter")
+    return target_dir, root / "drafter"
+
+
+def test_auto_falls_back_to_float32_when_bf16_verification_is_not_exact(monkeypatch, folders):
+    target_dir, drafter_dir = folders
+    monkeypatch.setattr(runtime, "native_bf16_feature", lambda: "AVX512-BF16")
+    monkeypatch.setattr(row_exact, "install", lambda target, max_rows: False)
+    target, _, drafter, precision = load_models(str(target_dir), drafter_dir, torch.device("cpu"), "auto", 4)
+    assert target.dtype == drafter.dtype == torch.float32
+    assert precision.startswith("float32 (auto: this CPU computes bfloat16 natively") and "not bit-exact" in precision
+    target, _, _, precision = load_models(str(target_dir), drafter_dir, torch.device("cpu"), "bfloat16", 4)
+    assert target.dtype == torch.bfloat16 and "NOT bit-exact" in precision  # asked for explicitly: kept, and said
+
+
+def test_cost_profile_measures_every_count_and_block():
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=4)
+    profile = measure_costs(target, drafter, token_counts=(1, 2, 4, 8), context_tokens=16, repeats=1)
+    assert profile["dtype"] == "float32" and profile["row_exact"] is False
+    assert list(profile["target_ms"]) == ["1", "2", "4", "8"] and list(profile["drafter_ms"]) == ["2", "4"]
+    assert profile["target_relative"]["1"] == 1.0
+    assert all(v > 0 for v in [*profile["target_ms"].values(), *profile["drafter_ms"].values()])
+    bf16 = measure_costs(_bf16_target("llama"), drafter.to(torch.bfloat16), (1, 4), context_tokens=16, repeats=1)
+    assert bf16["dtype"] == "bfloat16" and list(bf16["drafter_ms"]) == ["4"]
+    with pytest.raises(ValueError, match="must be >= 1"):
+        measure_costs(target, drafter, token_counts=(0, 2))
+
+
+def test_profile_command_writes_json_and_plot(folders, tmp_path, capsys):
+    target_dir, drafter_dir = folders
+    out = tmp_path / "profile"
+    code = cli.main(
+        [
+            "profile",
+            "--target",
+            str(target_dir),
+            "--drafter",
+            str(drafter_dir),
+            "--tokens",
+            "1,2,4",
+            "--context",
+            "8",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    document = json.loads((out / "profile.json").read_text())
+    assert [p["dtype"] for p in document["profiles"]] == ["float32", "bfloat16"]
+    assert (out / "profile.png").read_bytes()[:4] == b"\x89PNG"
+    printed = capsys.readouterr().out
+    assert "float32 (as requested)" in printed and "4 tok" in printed
+    assert cli.main(["profile", "--target", str(target_dir), "--drafter", str(drafter_dir), "--dtypes", "fp8"]) == 2
