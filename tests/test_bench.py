@@ -11,6 +11,7 @@ from conftest import make_oracle, make_target
 from test_targets import make_llama, make_tokenizer, save_tiny_target
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, bench, cli
+from dflash_hf.engine.adapters import engine_kernels, uses_engine_kernels
 
 PROMPTS = [[1, 5, 9, 12, 5, 9], [1, 7, 7, 3, 30, 31, 7, 7]]
 MAX_NEW = 12
@@ -51,7 +52,10 @@ def _method(result: bench.BenchResult, name: str) -> dict:
 def test_every_method_runs_and_is_exact(result):
     names = [m["name"] for m in result.methods]
     # block 16 exceeds the drafter's trained block size 8: left out
-    assert names == ["greedy", "prompt_lookup", "native_dflash", *ENGINE_BLOCKS, "dflash_adaptive"]
+    # a float32 target on CPU: plain greedy with the engine's kernels (prepacked LM head) is a second baseline
+    assert names == [
+        "greedy", "greedy_engine_kernels", "prompt_lookup", "native_dflash", *ENGINE_BLOCKS, "dflash_adaptive"
+    ]  # fmt: skip
     for method in result.methods:
         assert method["summary"]["exact"] and method["summary"]["mismatched_prompts"] == []
         assert len(result.results[method["name"]]) == len(PROMPTS)
@@ -196,11 +200,31 @@ def test_outputs_json_schema_plots_and_readme_section(result, tmp_path):
     assert "![Speedup by method](docs/bench/speedup.png)" in section
     assert document["hardware"]["cpu"] in section and document["date"] in section
     assert (out / bench.MARKDOWN_NAME).read_text() == bench.render_markdown(document, ".")
+    # the engine-kernel greedy baseline gets its own column; the cost profile its table and plot
+    assert table.splitlines()[0].endswith("| exact | vs greedy with engine kernels |")
+    assert document["cost_profile"]["dtype"] == "float32" and set(document["cost_profile"]["target_ms"]) == {
+        "1", "2", "4", "8", "16"
+    }  # fmt: skip
+    assert "Forward costs on this machine (float32, 256-token context)" in section
+    assert "![Forward cost relative to a 1-token step](docs/bench/cost_profile.png)" in section
     # a drafter bundled in the package is named by its place in the package, not by this machine's path
     document["settings"]["drafter"] = "/somewhere/site-packages/dflash_hf/bundled/dflash-x"
     assert "with the bundled drafter `dflash_hf/bundled/dflash-x` (trained" in bench.render_markdown(document)
     document["settings"]["drafter"] = "/runs/my-drafter"
     assert "with the drafter `/runs/my-drafter` (trained" in bench.render_markdown(document)
+
+
+def test_engine_kernels_baseline_swaps_the_head_only_inside(setup):
+    target, _, prompts = setup
+    head = target.get_output_embeddings()
+    ids = torch.tensor([prompts[0].input_ids])
+    stock = target(ids).logits
+    with engine_kernels(target):
+        assert target.get_output_embeddings() is not head
+        swapped = target(ids).logits
+    assert target.get_output_embeddings() is head
+    torch.testing.assert_close(swapped, stock, rtol=1e-4, atol=1e-4)
+    assert uses_engine_kernels(target) and not uses_engine_kernels(make_target("llama").to(torch.bfloat16))
 
 
 def test_bad_input_is_refused(setup, tmp_path):

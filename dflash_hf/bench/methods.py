@@ -1,12 +1,16 @@
 """The decoding methods a bench compares, and how each one is run and measured on one prompt.
 
 Transformers' own methods (`greedy`, `prompt_lookup`, `native_dflash`) are measured from outside with module hooks
-([`_TargetWatch`]); this package's engine reports its own statistics. docs/design.md ("Benchmark") says how every
+([`_TargetWatch`]); this package's engine reports its own statistics. Where the engine computes some of the target's
+own layers with faster kernels than `target.generate` (a prepacked LM head in float32 on CPU),
+`greedy_engine_kernels` is plain greedy decoding with those kernels, so that the gain from kernels and the gain from
+speculation can be told apart. docs/design.md ("Benchmark") says how every
 number is derived.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +19,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from ..engine.adapters import engine_kernels, uses_engine_kernels
 from ..engine.generation import generate
 from ..modeling import DFlashDraftModel
 from ..runtime import Stopwatch, clock
@@ -127,14 +132,19 @@ class _TargetWatch:
 
 
 def _transformers_runner(
-    target: PreTrainedModel, drafter: DFlashDraftModel | None = None, **generate_kwargs: Any
+    target: PreTrainedModel,
+    drafter: DFlashDraftModel | None = None,
+    with_engine_kernels: bool = False,
+    **generate_kwargs: Any,
 ) -> MethodRunner:
-    """Runner for `target.generate(...)` with extra keyword arguments, measured with [`_TargetWatch`]."""
+    """Runner for `target.generate(...)` with extra keyword arguments, measured with [`_TargetWatch`]; with
+    `with_engine_kernels`, the target computes its layers with the engine's kernels ([`engine_kernels`])."""
 
     def run(input_ids: torch.LongTensor, max_new_tokens: int) -> MethodRun:
+        kernels = engine_kernels(target) if with_engine_kernels else contextlib.nullcontext()
         watch, stopwatch = _TargetWatch(target, drafter), Stopwatch(input_ids.device)
         try:
-            with stopwatch:
+            with kernels, stopwatch:
                 sequences = target.generate(
                     input_ids,
                     attention_mask=torch.ones_like(input_ids),
@@ -215,6 +225,17 @@ def default_methods(
         )
     methods = [
         BenchMethod("greedy", "plain greedy", _transformers_runner(target), "target.generate(do_sample=False)"),
+    ]
+    if uses_engine_kernels(target):
+        methods.append(
+            BenchMethod(
+                "greedy_engine_kernels",
+                "plain greedy, engine kernels",
+                _transformers_runner(target, with_engine_kernels=True),
+                "target.generate(do_sample=False) with the engine's kernels (prepacked LM head)",
+            )
+        )
+    methods += [
         BenchMethod(
             "prompt_lookup",
             f"prompt lookup (k={prompt_lookup_num_tokens})",

@@ -13,6 +13,7 @@ from .profile import plot_profiles
 from .run import BENCH_FORMAT, BenchResult
 
 JSON_NAME = "bench.json"
+KERNEL_BASELINE = "greedy_engine_kernels"
 MARKDOWN_NAME = "bench.md"
 PLOT_NAMES = {
     "speedup": "speedup.png",
@@ -44,21 +45,31 @@ def _fmt(value: float | None, digits: int = 2, suffix: str = "", empty: str = "n
 
 
 def markdown_table(result: BenchResult | dict[str, Any] | str | os.PathLike) -> str:
-    """The per-method results as a Markdown table (from a result, its JSON document, or the path of `bench.json`)."""
+    """The per-method results as a Markdown table (from a result, its JSON document, or the path of `bench.json`).
+
+    When the run has plain greedy decoding with the engine's kernels, a last column gives every method's speedup over
+    that baseline too (the gain from speculation alone)."""
     document = _as_document(result)
+    kernels = next((m for m in document["methods"] if m["name"] == KERNEL_BASELINE), None)
+    kernel_rate = kernels["summary"]["tokens_per_s"] if kernels else None
+    extra = (" vs greedy with engine kernels |", "---:|") if kernel_rate else ("", "")
     lines = [
-        "| Method | mean block | tau | tokens/s | speedup | draft ms/cycle | verify ms/cycle | exact |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "| Method | mean block | tau | tokens/s | speedup | draft ms/cycle | verify ms/cycle | exact |" + extra[0],
+        "|---|---:|---:|---:|---:|---:|---:|---|" + extra[1],
     ]
     for method in document["methods"]:
         summary = method["summary"]
         exact = "yes" if summary["exact"] else f"**NO** (prompts {', '.join(map(str, summary['mismatched_prompts']))})"
-        lines.append(
+        line = (
             f"| {method['label']} | {_fmt(summary['mean_block_size'], 1, empty='-')} | {_fmt(summary['tau'])} "
             f"| {_fmt(summary['tokens_per_s'])} "
             f"| {_fmt(summary['speedup'], suffix='x')} | {_fmt(summary['draft_ms_per_cycle'], 1)} "
             f"| {_fmt(summary['verify_ms_per_cycle'], 1)} | {exact} |"
         )
+        if kernel_rate:
+            rate = summary["tokens_per_s"]
+            line += f" {_fmt(rate / kernel_rate if rate else None, suffix='x')} |"
+        lines.append(line)
     return "\n".join(lines) + "\n"
 
 

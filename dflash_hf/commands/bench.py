@@ -62,7 +62,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--skip",
         default="",
-        help="Comma-separated methods to leave out: prompt_lookup, native_dflash (plain greedy always runs).",
+        help="Comma-separated methods to leave out: prompt_lookup, native_dflash, greedy_engine_kernels (plain greedy "
+        "always runs).",
     )
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (default: 10).")
     parser.add_argument(
@@ -175,9 +176,11 @@ def run(args: argparse.Namespace) -> int:
         adaptive=not args.no_adaptive,
     )
     skipped = {name for name in args.skip.split(",") if name}
-    unknown = skipped - {"prompt_lookup", "native_dflash"}
+    unknown = skipped - {"prompt_lookup", "native_dflash", "greedy_engine_kernels"}
     if unknown:
-        raise ValueError(f"--skip takes prompt_lookup and/or native_dflash, got {sorted(unknown)}.")
+        raise ValueError(
+            f"--skip takes prompt_lookup, native_dflash and/or greedy_engine_kernels, got {sorted(unknown)}."
+        )
     methods = [method for method in methods if method.name not in skipped]
     result = bench.run_bench(
         target,

@@ -11,10 +11,12 @@ final normed hidden state (as in Transformers' native DFlash path).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import warnings
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +82,39 @@ def _prepacked_linear(hidden_states: torch.Tensor, weight: torch.Tensor) -> torc
         _PREPACKED.move_to_end(id(weight))
     flat = hidden_states.reshape(-1, hidden_states.shape[-1]).contiguous()
     return entry[2](flat).view(*hidden_states.shape[:-1], weight.shape[0])
+
+
+class _EngineLMHead(nn.Module):
+    """The target's LM head computed the way the engine computes verification logits (prepacked where it can)."""
+
+    def __init__(self, head: nn.Linear) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = self.head.weight
+        if self.head.bias is None and _can_prepack(hidden_states, weight):
+            return _prepacked_linear(hidden_states, weight)
+        return self.head(hidden_states)
+
+
+def uses_engine_kernels(target: PreTrainedModel) -> bool:
+    """Whether the engine computes `target`'s own layers with other kernels than `target.generate` does (today:
+    the oneDNN-prepacked LM head of a float32 target on CPU), so that a fair plain baseline needs them too."""
+    head = target.get_output_embeddings()
+    return target.device.type == "cpu" and head.bias is None and head.weight.dtype == torch.float32
+
+
+@contextlib.contextmanager
+def engine_kernels(target: PreTrainedModel) -> Iterator[None]:
+    """Within this block `target`'s own forward computes its LM head with the engine's kernel (see
+    [`uses_engine_kernels`]): plain decoding with the same kernels as the engine, for honest baselines."""
+    head = target.get_output_embeddings()
+    target.set_output_embeddings(_EngineLMHead(head))
+    try:
+        yield
+    finally:
+        target.set_output_embeddings(head)
 
 
 def _check_built_for(drafter_config: PreTrainedConfig, target: PreTrainedModel) -> None:
