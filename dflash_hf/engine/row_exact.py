@@ -25,6 +25,7 @@ import contextlib
 import contextvars
 import copy
 import inspect
+import threading
 import weakref
 from collections.abc import Iterator
 
@@ -39,6 +40,7 @@ ATTENTION_NAME = "row_exact_sdpa"  # no "flash" in it: Transformers would take i
 
 # target -> (largest block probed, whether its verify forwards were bit-exact)
 _INSTALLED: "weakref.WeakKeyDictionary[PreTrainedModel, tuple[int, bool]]" = weakref.WeakKeyDictionary()
+_INSTALL_LOCK = threading.RLock()
 _ROW_BY_ROW = contextvars.ContextVar("row_by_row_attention", default=False)
 
 
@@ -103,17 +105,25 @@ def install(target: PreTrainedModel, max_rows: int) -> bool:
     Switches `sdpa` attention to [`ATTENTION_NAME`] and, for every linear-layer shape of the decoder whose kernel
     gives a row different bits inside a multi-row call (measured here, on this machine), adds a forward hook that
     recomputes it row by row inside [`verification`]. Outside [`verification`] the target computes exactly as
-    before. Then measures the whole target with [`block_rows_match_decode`] and returns the result (`False` also
-    for attention implementations other than `sdpa`, which are left alone). Installing twice is a no-op.
+    before. Then checks the LM head's kernel the same way and the whole target with [`block_rows_match_decode`]
+    and returns the result (`False` also for attention implementations other than `sdpa`, which are left alone).
+    Installing again for as many rows or fewer returns the first result.
     """
-    known = _INSTALLED.get(target)
-    if known is not None and known[0] >= max_rows:
-        return known[1]
+    with _INSTALL_LOCK:  # concurrent calls on a shared target install once
+        known = _INSTALLED.get(target)
+        if known is not None and known[0] >= max_rows:
+            return known[1]
+        exact = _install(target, max_rows)
+        _INSTALLED[target] = (max_rows, exact)
+        return exact
+
+
+def _install(target: PreTrainedModel, max_rows: int) -> bool:
+    """[`install`] without its cache and lock."""
     current = getattr(target.config, "_attn_implementation", None)
     if current == "sdpa":
         target.set_attn_implementation(ATTENTION_NAME)
     if target.config._attn_implementation != ATTENTION_NAME:
-        _INSTALLED[target] = (max_rows, False)
         return False
     generator = torch.Generator().manual_seed(0)
     verdicts: dict[tuple, bool] = {}
@@ -126,9 +136,10 @@ def install(target: PreTrainedModel, max_rows: int) -> bool:
         if not verdicts[shape] and not getattr(module, "_row_exact_hooked", False):
             module.register_forward_hook(_one_row_at_a_time)
             module._row_exact_hooked = True
-    exact = block_rows_match_decode(target, max_rows)
-    _INSTALLED[target] = (max_rows, exact)
-    return exact
+    # the engine computes verify logits with the head's weight directly (only the rows it needs), so a head whose
+    # kernel is not row-exact cannot be hooked: it makes the target not exact
+    head = target.get_output_embeddings()
+    return _rows_match(head, max_rows, generator) and block_rows_match_decode(target, max_rows)
 
 
 @contextlib.contextmanager
