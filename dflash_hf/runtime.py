@@ -78,8 +78,9 @@ def native_bf16_feature() -> str | None:
 
 
 def inference_dtype(name: str | torch.dtype, device: str | torch.device) -> tuple[torch.dtype, str]:
-    """The dtype to generate in and why: `auto` is bfloat16 on CUDA and on CPUs that compute bf16 natively (where a
-    multi-token verify costs about one decode step), float32 elsewhere; any other name is taken as asked."""
+    """The dtype to generate in and why, where no measurement is needed: `auto` is bfloat16 on CUDA and float32 on
+    a CPU without native bf16 (on a CPU with it, `dflash_hf.precision` measures which is faster; this returns
+    bfloat16 there); any other name is taken as asked."""
     if name != "auto":
         dtype = resolve_dtype(name, device)
         return dtype, "as requested"

@@ -6,9 +6,12 @@ Everything is built in-process from configs; nothing is ever downloaded.
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# commands store per-machine verdicts (e.g. `--dtype auto`) in the dflash-hf cache: keep the user's cache clean
+os.environ.setdefault("DFLASH_HF_CACHE", tempfile.mkdtemp(prefix="dflash-hf-tests-"))
 
 import pytest
 import torch

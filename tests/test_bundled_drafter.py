@@ -65,7 +65,7 @@ def test_main_command_is_lossless_with_the_real_target(smollm2, capsys):
     out = capsys.readouterr().out.splitlines()
     assert code == 0
     match = re.match(COMPARE, out[-1])
-    assert match and match.group(2) == "greedy" and match.group(3) == "yes", out[-1]
+    assert match and match.group(2) == "greedy" and match.group(4) == "yes", out[-1]
 
 
 def test_both_generation_paths_match_greedy_on_the_real_target(smollm2):

@@ -10,7 +10,8 @@ import torch
 from conftest import make_drafter, make_target
 from test_targets import make_llama, save_tiny_target
 
-from dflash_hf import DFlashConfig, DFlashDraftModel, cli, generate, runtime
+from dflash_hf import DFlashConfig, DFlashDraftModel, cli, generate, runtime, targets
+from dflash_hf import precision as precision_module
 from dflash_hf.bench.profile import measure_costs
 from dflash_hf.commands import load_models
 from dflash_hf.engine import row_exact
@@ -122,15 +123,38 @@ def folders(tmp_path_factory):
     return target_dir, root / "drafter"
 
 
-def test_auto_falls_back_to_float32_when_bf16_verification_is_not_exact(monkeypatch, folders):
+def test_auto_falls_back_to_float32_when_bf16_verification_is_not_exact(monkeypatch, folders, tmp_path):
     target_dir, drafter_dir = folders
+    monkeypatch.setenv(targets.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(runtime, "native_bf16_feature", lambda: "AVX512-BF16")
     monkeypatch.setattr(row_exact, "install", lambda target, max_rows: False)
     target, _, drafter, precision = load_models(str(target_dir), drafter_dir, torch.device("cpu"), "auto", 4)
     assert target.dtype == drafter.dtype == torch.float32
-    assert precision.startswith("float32 (auto: this CPU computes bfloat16 natively") and "not bit-exact" in precision
+    assert precision.startswith("float32 (auto: this CPU computes bfloat16 natively (AVX512-BF16), but its block")
+    verdict = json.loads((tmp_path / precision_module.VERDICTS_FILE).read_text())
+    assert [v["bfloat16_exact"] for v in verdict.values()] == [False]
     target, _, _, precision = load_models(str(target_dir), drafter_dir, torch.device("cpu"), "bfloat16", 4)
     assert target.dtype == torch.bfloat16 and "NOT bit-exact" in precision  # asked for explicitly: kept, and said
+
+
+@pytest.mark.parametrize(("bf16_ms", "expected"), [(5.0, torch.bfloat16), (50.0, torch.float32)])
+def test_auto_measures_once_and_keeps_the_faster_precision(monkeypatch, folders, tmp_path, bf16_ms, expected):
+    target_dir, drafter_dir = folders
+    monkeypatch.setenv(targets.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(runtime, "native_bf16_feature", lambda: "AMX-BF16")
+    timed = []
+
+    def cycle_ms(model, drafter, max_block):
+        timed.append(model.dtype)
+        return bf16_ms if model.dtype == torch.bfloat16 else 10.0
+
+    monkeypatch.setattr(precision_module, "_cycle_ms", cycle_ms)
+    target, _, drafter, precision = load_models(str(target_dir), drafter_dir, torch.device("cpu"), "auto", 4)
+    assert target.dtype == drafter.dtype == expected and timed == [torch.float32, torch.bfloat16]
+    assert f"measured {bf16_ms} ms in row-exact bfloat16 vs 10.0 ms in float32" in precision
+    # the stored verdict is read, not measured again
+    target, _, _, again = load_models(str(target_dir), drafter_dir, torch.device("cpu"), "auto", 4)
+    assert target.dtype == expected and len(timed) == 2 and again == precision
 
 
 def test_cost_profile_measures_every_count_and_block():

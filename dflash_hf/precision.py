@@ -1,0 +1,108 @@
+"""`--dtype auto` on a CPU that computes bfloat16 natively: measure which precision runs a DFlash cycle faster here.
+
+Whether bf16 pays on a CPU is not a property of its instruction set alone. An exact bf16 verify must give every block
+row the bits of a 1-token step (`engine.row_exact`), which costs per-row attention calls; whether the cheaper bf16
+matmuls make up for that depends on the CPU, the target and the block size. So the first `auto` run on a machine
+measures one cycle (a verify of the largest block plus a draft, as the engine runs them) in float32 and in row-exact
+bfloat16 and keeps the faster; the verdict, with the measured times, is stored in `<dflash-hf cache>/precision.json`
+under the CPU model, torch version, thread count, target and block size, so later runs only read it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from .engine import row_exact
+from .fileio import atomic_write_text
+from .modeling import DFlashDraftModel
+from .runtime import native_bf16_feature
+
+VERDICTS_FILE = "precision.json"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def verdict_key(target: str, max_block: int) -> str:
+    """What a stored verdict depends on: CPU model, torch version and threads, target and block size."""
+    return f"{_cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {target} | B={max_block}"
+
+
+def _load(target: str, drafter_dir: Path, device: torch.device, dtype: torch.dtype):
+    from .targets import load_target
+
+    model, tokenizer = load_target(target, dtype=dtype, device=device)
+    drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=dtype).to(device).eval()
+    return model, tokenizer, drafter
+
+
+def _cycle_ms(model: PreTrainedModel, drafter: DFlashDraftModel, max_block: int) -> float:
+    """Verify of `max_block` tokens + a draft of that block, in ms, as the engine runs them."""
+    from .bench.profile import measure_costs
+
+    costs = measure_costs(model, drafter, token_counts=(max_block,), context_tokens=128, repeats=3)
+    return costs["target_ms"][str(max_block)] + costs["drafter_ms"].get(str(max_block), 0.0)
+
+
+def measured_choice(
+    target: str, drafter_dir: Path, device: torch.device, max_block: int, cache: Path
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, DFlashDraftModel, str]:
+    """Load `(target, tokenizer, drafter, precision)` in the precision that runs a cycle faster on this CPU, measuring
+    it on the first run (see the module docstring) and reading the stored verdict afterwards."""
+    path = cache / VERDICTS_FILE
+    try:
+        verdicts = json.loads(path.read_text())
+    except (OSError, ValueError):
+        verdicts = {}
+    key = verdict_key(target, max_block)
+    feature = native_bf16_feature()
+    verdict = verdicts.get(key)
+    if verdict is None:
+        fp32 = _load(target, drafter_dir, device, torch.float32)
+        fp32_ms = _cycle_ms(fp32[0], fp32[2], max_block)
+        bf16 = _load(target, drafter_dir, device, torch.bfloat16)
+        exact = row_exact.install(bf16[0], max_block)
+        bf16_ms = _cycle_ms(bf16[0], bf16[2], max_block) if exact else None
+        faster_bf16 = bf16_ms is not None and bf16_ms < fp32_ms
+        verdict = {
+            "dtype": "bfloat16" if faster_bf16 else "float32",
+            "float32_cycle_ms": round(fp32_ms, 1),
+            "bfloat16_cycle_ms": None if bf16_ms is None else round(bf16_ms, 1),
+            "bfloat16_exact": exact,
+            "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+        verdicts[key] = verdict
+        cache.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(verdicts, indent=1) + "\n")
+        model, tokenizer, drafter = bf16 if faster_bf16 else fp32
+    else:
+        model, tokenizer, drafter = _load(target, drafter_dir, device, getattr(torch, verdict["dtype"]))
+        if model.dtype != torch.float32 and not row_exact.install(model, max_block):
+            model, tokenizer, drafter = _load(target, drafter_dir, device, torch.float32)
+    if not verdict["bfloat16_exact"]:
+        why = "its block verification is not bit-exact here"
+    else:
+        why = (
+            f"a B={max_block} cycle measured {verdict['bfloat16_cycle_ms']} ms in row-exact bfloat16 vs "
+            f"{verdict['float32_cycle_ms']} ms in float32"
+        )
+    reason = (
+        f"auto: this CPU computes bfloat16 natively ({feature}), but {why}"
+        if model.dtype == torch.float32
+        else (f"auto: this CPU computes bfloat16 natively ({feature}) and {why}")
+    )
+    return model, tokenizer, drafter, f"{str(model.dtype).replace('torch.', '')} ({reason}; stored in {path})"
