@@ -105,4 +105,9 @@ def measured_choice(
         if model.dtype == torch.float32
         else (f"auto: this CPU computes bfloat16 natively ({feature}) and {why}")
     )
-    return model, tokenizer, drafter, f"{str(model.dtype).replace('torch.', '')} ({reason}; stored in {path})"
+    return (
+        model,
+        tokenizer,
+        drafter,
+        f"{str(model.dtype).replace('torch.', '')} ({reason}; verdict kept in {path.name} in the dflash-hf cache)",
+    )

@@ -196,6 +196,29 @@ def test_profile_command_writes_json_and_plot(folders, tmp_path, capsys):
     assert code == 0
     document = json.loads((out / "profile.json").read_text())
     assert [p["dtype"] for p in document["profiles"]] == ["float32", "bfloat16"]
+    code = cli.main(
+        [
+            "profile",
+            "--target",
+            str(target_dir),
+            "--drafter",
+            str(drafter_dir),
+            "--tokens",
+            "1,4",
+            "--dtypes",
+            "bfloat16",
+            "--inexact",
+            "--context",
+            "8",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
+    profiles = json.loads((out / "profile.json").read_text())["profiles"]
+    expected = ["bfloat16", "bfloat16, not exact"] if profiles[0]["row_exact"] else ["bfloat16"]
+    assert code == 0 and [p["dtype"] for p in profiles] == expected
     assert (out / "profile.png").read_bytes()[:4] == b"\x89PNG"
     printed = capsys.readouterr().out
     assert "float32 (as requested)" in printed and "4 tok" in printed

@@ -18,7 +18,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
 
 from ..data.prompts import encode_prompt
-from ..engine.generation import check_context_length, generate
+from ..engine.checks import check_context_length
+from ..engine.generation import generate
 from ..modeling import DFlashConfig
 from ..runtime import Stopwatch, available_cpus, default_device
 from ..targets import resolve_drafter_dir

@@ -52,6 +52,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=list(DEFAULT_TOKEN_COUNTS),
         help="Token counts of the target forwards (default: 1,2,4,8,16).",
     )
+    parser.add_argument(
+        "--inexact",
+        action="store_true",
+        help="Also time reduced-precision target forwards without row-exact verification (not exact: what such a "
+        "verify would cost; the engine never runs it).",
+    )
     parser.add_argument("--context", type=int, default=256, help="Cached context tokens (default: 256).")
     parser.add_argument("--repeats", type=int, default=5, help="Timed repeats per forward (median; default: 5).")
     parser.add_argument(
@@ -85,6 +91,13 @@ def run(args: argparse.Namespace) -> int:
         profile = measure_costs(target, drafter, tuple(args.tokens), args.context, args.repeats)
         profile["precision"] = precision
         profiles.append(profile)
+        if args.inexact and target.dtype != torch.float32 and profile["row_exact"]:
+            stock = measure_costs(
+                target, drafter, tuple(args.tokens), args.context, args.repeats, row_exact_verify=False
+            )
+            stock["precision"] = f"{profile['dtype']} without row-exact verification (NOT exact)"
+            stock["dtype"] += ", not exact"
+            profiles.append(stock)
         del target, drafter
     for profile in profiles:
         print(f"{profile['precision']}:")

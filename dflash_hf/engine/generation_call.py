@@ -1,0 +1,366 @@
+"""One DFlash generation call: its state (sequences, both KV caches, statistics) and the steps of its loop.
+
+[`GenerationCall`] runs prefill, then draft / re-align / verify / commit cycles until every row has stopped
+(docs/design.md, "The inference cycle"); `dflash_hf.engine.generation` holds the public entry points around it.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+
+from ..modeling import DFlashDraftModel
+from ..runtime import Stopwatch
+from ..targets import first_token_id
+from . import row_exact
+from .acceptance import greedy_accept, rejection_sample
+from .adapters import TargetAdapter
+from .block_size import BlockSizePolicy, make_block_size_policy
+from .cache_ops import select_rows, shift_cache_right, shift_right, truncate_cache
+from .output import DFlashGenerateOutput
+from .processing import BlockLogitsProcessor
+
+
+def _plain_stop_token_ids(stopping_criteria: StoppingCriteriaList) -> set[int] | None:
+    """EOS ids when the criteria are only max-length and EOS (then a run is checked in one pass), else `None`."""
+    stop_ids: set[int] = set()
+    for criterion in stopping_criteria:
+        if isinstance(criterion, EosTokenCriteria):
+            stop_ids.update(int(t) for t in torch.as_tensor(criterion.eos_token_id).reshape(-1).tolist())
+        elif not isinstance(criterion, MaxLengthCriteria):
+            return None
+    return stop_ids
+
+
+def _mask_or_none(mask: torch.Tensor, block: int = 0) -> torch.Tensor | None:
+    """`mask` extended by `block` attended positions, or `None` when nothing is padded (unmasked fast path)."""
+    if bool(mask.all()):
+        return None
+    return torch.cat([mask, mask.new_ones(mask.shape[0], block)], dim=1) if block else mask
+
+
+def _row_exact_verification(target: PreTrainedModel, max_block: int) -> bool:
+    """Whether verify forwards must run row-exact (a bf16/fp16 target on CPU, see `row_exact`); warns once if that
+    cannot be made bit-exact on this machine."""
+    if target.device.type != "cpu" or target.dtype == torch.float32:
+        return False
+    if row_exact.install(target, max_block):
+        return True
+    warnings.warn(
+        f"Verifying {max_block}-token blocks in {str(target.dtype).replace('torch.', '')} on this CPU does not give "
+        "every token the bits a one-token step gives it, so greedy outputs may drift from plain greedy decoding: "
+        "load the target in float32 for exact outputs (or use `sdpa` attention, which dflash-hf can make row-exact).",
+        stacklevel=4,
+    )
+    return False
+
+
+@dataclass
+class _ActiveRows:
+    """The rows still generating: ids, next anchors, committed-token counts, and the tapped target features the
+    drafter has not seen yet (`pending_tapped_hidden_states`, at positions `pending_pos`).
+
+    `mask` is the padding mask over the target cache (which already holds the pending context); `pending_shift` is
+    how far each row must move right to be contiguous again once the drafter has ingested the pending context.
+    """
+
+    rows: list[int]
+    anchors: torch.LongTensor
+    committed: torch.LongTensor
+    mask: torch.Tensor
+    pending_tapped_hidden_states: torch.Tensor
+    pending_pos: torch.LongTensor
+    pending_shift: torch.LongTensor
+
+    def select(self, index: torch.LongTensor) -> None:
+        """Keep only the rows at `index` (positions in the current batch)."""
+        self.rows = [self.rows[i] for i in index.tolist()]
+        for name in ("anchors", "committed", "mask", "pending_tapped_hidden_states", "pending_pos", "pending_shift"):
+            setattr(self, name, getattr(self, name)[index])
+
+
+class GenerationCall:
+    """The state of one DFlash generation call (sequences, caches, statistics) and the steps of its loop."""
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        drafter: DFlashDraftModel,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None,
+        logits_processor: LogitsProcessorList | None,
+        stopping_criteria: StoppingCriteriaList,
+        generation_config: GenerationConfig,
+        streamer,
+        block_size: int | str | BlockSizePolicy | None,
+    ) -> None:
+        if not isinstance(drafter, DFlashDraftModel) and type(drafter).__name__ != "DFlashDraftModel":
+            raise ValueError(f"`drafter` must be a DFlashDraftModel, got {type(drafter).__name__}.")
+        self.adapter = TargetAdapter.for_drafter(target, drafter)
+        self.drafter = drafter
+        self.policy = make_block_size_policy(block_size, int(drafter.config.block_size))
+        self.max_block = int(getattr(self.policy, "max_block_size", getattr(self.policy, "block_size", 0)))
+        self.device = input_ids.device
+        self.row_exact = _row_exact_verification(target, self.max_block)
+        self.do_sample = bool(generation_config.do_sample)
+        self.process = BlockLogitsProcessor(logits_processor)
+        self.stopping_criteria = stopping_criteria
+        self.stop_token_ids = _plain_stop_token_ids(stopping_criteria)
+        self.streamer = streamer
+        self.mask_token_id = int(drafter.config.mask_token_id)
+        draft_ids = getattr(drafter, "draft_token_ids", None)
+        self.draft_token_ids = None if draft_ids is None else draft_ids.to(self.device)
+        pad = first_token_id(
+            getattr(generation_config, "_pad_token_tensor", None),
+            generation_config.pad_token_id,
+            generation_config.eos_token_id,
+        )
+        self.pad_token_id = 0 if pad is None else pad
+
+        batch, prompt_len = input_ids.shape
+        self.batch = batch
+        self.prompt_len = prompt_len
+        self.max_length = int(generation_config.max_length)
+        width = max(self.max_length, prompt_len) + int(drafter.config.block_size) + 1
+        self.sequences = torch.full((batch, width), self.pad_token_id, dtype=torch.long, device=self.device)
+        self.sequences[:, :prompt_len] = input_ids
+        self.lengths = [prompt_len] * batch
+        self.finished = [False] * batch
+        self.accepted_lengths: list[list[int]] = [[] for _ in range(batch)]
+        self.block_sizes: list[list[int]] = [[] for _ in range(batch)]
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        self.prompt_mask = attention_mask.to(torch.long)
+
+        self.target_cache, self.draft_cache = DynamicCache(), DynamicCache()
+        self.draft_timer = Stopwatch(self.device)
+        self.verify_timer = Stopwatch(self.device)
+        self.prefill_timer = Stopwatch(self.device)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # token selection
+    def _row_prefixes(self, rows: list[int], block_tokens: torch.LongTensor) -> list[torch.LongTensor]:
+        """Per active row: its sequence so far followed by `block_tokens[i, 1:]` (the anchor is already in it)."""
+        prefixes = []
+        for i, row in enumerate(rows):
+            prefixes.append(torch.cat([self.sequences[row, : self.lengths[row]], block_tokens[i, 1:]]))
+        return prefixes
+
+    def _first_token(self, logits: torch.Tensor) -> torch.LongTensor:
+        """The token every row gets from the prefill's last logits (processed, then argmax or sampled)."""
+
+        def prefixes():
+            return [self.sequences[row, : self.lengths[row]] for row in range(self.batch)]
+
+        scores = self.process(logits[:, None, :], prefixes)[:, 0]
+        if self.do_sample:
+            return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        return scores.argmax(dim=-1)
+
+    def _propose(self, draft_logits: torch.Tensor, rows: list[int]):
+        """Draft tokens (and their proposal distributions when sampling) from per-slot drafter logits.
+
+        With a reduced draft vocabulary, greedy drafting maps the argmax back to target ids; otherwise the logits are
+        spread over the full vocabulary (-inf outside the draft vocabulary) so that processors and the rejection
+        sampler see ordinary distributions.
+        """
+        if self.draft_token_ids is not None:
+            if self.process.is_identity and not self.do_sample:
+                return self.draft_token_ids[draft_logits.argmax(dim=-1)], None
+            full = draft_logits.new_full((*draft_logits.shape[:2], self.adapter.vocab_size), float("-inf"))
+            draft_logits = full.index_copy_(-1, self.draft_token_ids, draft_logits)
+        if self.process.is_identity or self.process.prefix_free:
+            scores = self.process(draft_logits, lambda: [])
+            if not self.do_sample:
+                return scores.argmax(dim=-1), None
+            probs = torch.softmax(scores, dim=-1)
+            flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), num_samples=1)
+            return flat.view(probs.shape[:2]), probs
+        # prefix-dependent processors: slot j's scores depend on the tokens drafted before it
+        batch, slots, _ = draft_logits.shape
+        tokens = torch.empty(batch, slots, dtype=torch.long, device=draft_logits.device)
+        probs = torch.empty_like(draft_logits) if self.do_sample else None
+        for i, row in enumerate(rows):
+            sequence = self.sequences[row, : self.lengths[row]]
+            for slot in range(slots):
+                prefix = torch.cat([sequence, tokens[i, :slot]])
+                scores = self.process.processors(prefix[None], draft_logits[i, slot][None])[0]
+                if self.do_sample:
+                    probs[i, slot] = torch.softmax(scores, dim=-1)
+                    tokens[i, slot] = torch.multinomial(probs[i, slot], num_samples=1)[0]
+                else:
+                    tokens[i, slot] = scores.argmax()
+        return tokens, probs
+
+    def _accept(self, target_logits: torch.Tensor, block_tokens, draft_tokens, draft_probs, rows):
+        """Accepted drafts and the target's next token per row (greedy prefix match, or rejection sampling)."""
+        scores = self.process(target_logits, lambda: self._row_prefixes(rows, block_tokens))
+        if self.do_sample:
+            return rejection_sample(draft_tokens, draft_probs, torch.softmax(scores, dim=-1))
+        return greedy_accept(draft_tokens, scores.argmax(dim=-1))
+
+    # ----------------------------------------------------------------------------------------------------------
+    # emission
+    def _emit(self, row: int, tokens: list[int]) -> int:
+        """Append `tokens` to `row` until a stopping criterion fires; returns how many were appended."""
+        start = self.lengths[row]
+        tokens = tokens[: self.max_length - start]
+        if self.stop_token_ids is not None:  # only max-length / EOS criteria: no per-token calls needed
+            stop = next((i for i, token in enumerate(tokens) if token in self.stop_token_ids), None)
+            if stop is not None:
+                tokens = tokens[: stop + 1]
+            self.sequences[row, start : start + len(tokens)] = torch.tensor(tokens, device=self.device)
+            self.lengths[row] = start + len(tokens)
+            self.finished[row] = stop is not None or self.lengths[row] >= self.max_length
+        else:
+            for token in tokens:
+                self.sequences[row, self.lengths[row]] = token
+                self.lengths[row] += 1
+                sequence = self.sequences[row : row + 1, : self.lengths[row]]
+                if self.lengths[row] >= self.max_length or bool(self.stopping_criteria(sequence, None)[0]):
+                    self.finished[row] = True
+                    break
+        emitted = self.lengths[row] - start
+        if self.streamer is not None and emitted:
+            self.streamer.put(self.sequences[row : row + 1, start : self.lengths[row]].cpu())
+        return emitted
+
+    # ----------------------------------------------------------------------------------------------------------
+    def _remaining(self, rows: list[int]) -> int:
+        """Most tokens any of `rows` may still generate."""
+        return max(self.max_length - self.lengths[row] for row in rows)
+
+    def run(self) -> DFlashGenerateOutput:
+        """Prefill, then draft / re-align / verify / commit cycles until every row has stopped."""
+        state = self._prefill()
+        while state.rows:
+            block = max(2, min(self.policy.next_block_size(), self._remaining(state.rows) + 1))
+            cycle_start = time.perf_counter()
+            block_pos = state.committed[:, None] + torch.arange(block, device=self.device)[None, :]
+            draft_tokens, draft_probs = self._draft(state, block, block_pos)
+            self._realign(state)
+            accepted, next_tokens, step = self._verify(state, block_pos, draft_tokens, draft_probs)
+            kept = self._commit(state, block, block_pos, draft_tokens, accepted, next_tokens, step)
+            self.policy.observe(block, kept, time.perf_counter() - cycle_start)
+            self._drop_finished(state)
+        if self.streamer is not None:
+            self.streamer.end()
+        return self._output()
+
+    def _prefill(self) -> _ActiveRows:
+        """1. One target forward over the prompts: fills the target cache, gives every row its first token."""
+        mask = self.prompt_mask
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        with self.prefill_timer:
+            step = self.adapter.forward(
+                self.sequences[:, : self.prompt_len], _mask_or_none(mask), positions, self.target_cache
+            )
+            first = self._first_token(self.adapter.logits(step.last_hidden_state[:, -1]))
+        for row, token in enumerate(first.tolist()):
+            self._emit(row, [token])
+        state = _ActiveRows(
+            rows=list(range(self.batch)),
+            anchors=first,
+            committed=mask.sum(-1),
+            mask=mask,
+            pending_tapped_hidden_states=step.tapped_hidden_states,
+            pending_pos=positions,
+            pending_shift=torch.zeros(self.batch, dtype=torch.long, device=self.device),
+        )
+        self._drop_finished(state)
+        return state
+
+    def _draft(self, state: _ActiveRows, block: int, block_pos: torch.LongTensor):
+        """2. One drafter forward over `[anchor, MASK * (block-1)]`: the pending context enters the draft cache,
+        the block's own K/V are dropped right after. Returns the draft tokens (and proposal distributions)."""
+        with self.draft_timer:
+            noise_ids = torch.full((len(state.rows), block), self.mask_token_id, dtype=torch.long, device=self.device)
+            noise_ids[:, 0] = state.anchors
+            out = self.drafter(
+                noise_embeds=self.adapter.embed(noise_ids),
+                context_hidden_states=state.pending_tapped_hidden_states,
+                position_ids=torch.cat([state.pending_pos, block_pos], dim=1),
+                attention_mask=_mask_or_none(state.mask, block),
+                past_key_values=self.draft_cache,
+            )
+            truncate_cache(self.draft_cache, state.mask.shape[1])
+            draft_logits = self.adapter.logits(out.last_hidden_state[:, 1:], self.draft_token_ids)
+            return self._propose(draft_logits, state.rows)
+
+    def _realign(self, state: _ActiveRows) -> None:
+        """3. Shift right the rows that committed fewer tokens last cycle (both caches now have the same layout)."""
+        if not bool(state.pending_shift.any()):
+            return
+        shift = state.pending_shift
+        shift_cache_right(self.target_cache, shift)
+        shift_cache_right(self.draft_cache, shift)
+        state.mask = shift_right(state.mask, shift, dim=1)
+        state.mask[torch.arange(state.mask.shape[1], device=self.device)[None, :] < shift[:, None]] = 0
+
+    def _verify(self, state: _ActiveRows, block_pos: torch.LongTensor, draft_tokens, draft_probs):
+        """4. One target forward over the whole block; returns `(accepted drafts, next tokens, target step)`."""
+        block_ids = torch.cat([state.anchors[:, None], draft_tokens], dim=1)
+        with self.verify_timer, row_exact.verification(self.row_exact):
+            verify_mask = _mask_or_none(state.mask, block_ids.shape[1])
+            step = self.adapter.forward(block_ids, verify_mask, block_pos, self.target_cache)
+            target_logits = self.adapter.logits(step.last_hidden_state)
+            accepted, next_tokens = self._accept(target_logits, block_ids, draft_tokens, draft_probs, state.rows)
+        return accepted, next_tokens, step
+
+    def _commit(
+        self, state: _ActiveRows, block: int, block_pos, draft_tokens, accepted, next_tokens, step
+    ) -> list[int]:
+        """5. Anchor + accepted drafts enter the caches, the target's token becomes the next anchor, tokens are
+        emitted. Returns the tokens kept per row."""
+        kept = accepted + 1
+        width = int(kept.max())
+        truncate_cache(self.target_cache, state.mask.shape[1] + width)
+        slots = torch.arange(width, device=self.device)
+        state.mask = torch.cat([state.mask, (slots[None, :] < kept[:, None]).to(state.mask.dtype)], dim=1)
+        state.pending_tapped_hidden_states = step.tapped_hidden_states[:, :width]
+        state.pending_pos = block_pos[:, :width]
+        state.pending_shift = width - kept
+        state.committed = state.committed + kept
+        state.anchors = next_tokens
+        kept_list, draft_list, next_list = kept.tolist(), draft_tokens.tolist(), next_tokens.tolist()
+        for i, row in enumerate(state.rows):
+            emitted = self._emit(row, draft_list[i][: kept_list[i] - 1] + [next_list[i]])
+            self.accepted_lengths[row].append(emitted)
+            self.block_sizes[row].append(block)
+        return kept_list
+
+    def _drop_finished(self, state: _ActiveRows) -> None:
+        """Remove the finished rows from the active rows and from both caches."""
+        keep = [i for i, row in enumerate(state.rows) if not self.finished[row]]
+        if len(keep) == len(state.rows):
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        for cache in (self.target_cache, self.draft_cache):
+            select_rows(cache, index)
+        state.select(index)
+
+    def _output(self) -> DFlashGenerateOutput:
+        """The sequences (finished rows right-padded) and the statistics of the call."""
+        total = max(self.lengths)
+        sequences = self.sequences[:, :total].clone()
+        for row, length in enumerate(self.lengths):
+            sequences[row, length:] = self.pad_token_id
+        lengths = [n for row in self.accepted_lengths for n in row]
+        return DFlashGenerateOutput(
+            sequences=sequences,
+            accepted_lengths=self.accepted_lengths,
+            cycles=[len(row) for row in self.accepted_lengths],
+            tau=(sum(lengths) / len(lengths)) if lengths else 0.0,
+            draft_time=self.draft_timer.total,
+            verify_time=self.verify_timer.total,
+            prefill_time=self.prefill_timer.total,
+            block_size=self.max_block,
+            block_sizes=self.block_sizes,
+        )
