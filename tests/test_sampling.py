@@ -14,7 +14,7 @@ from transformers.generation.logits_process import (
 )
 
 import dflash_hf
-import dflash_hf.engine.generation as generation
+import dflash_hf.engine.generation_call as generation_call
 from dflash_hf import DFlashConfig, DFlashDraftModel
 
 VOCAB = 8
@@ -121,6 +121,6 @@ def test_biased_sampler_is_caught(setup, monkeypatch):
         accepted = torch.full((draft_tokens.shape[0],), draft_tokens.shape[1], dtype=torch.long)
         return accepted, torch.multinomial(target_probs[:, -1], 1).squeeze(1)
 
-    monkeypatch.setattr(generation, "rejection_sample", accept_everything)
+    monkeypatch.setattr(generation_call, "rejection_sample", accept_everything)
     statistic, cells = _chi_square(target, drafter, prompt, expected)
     assert statistic > _bound(cells), statistic

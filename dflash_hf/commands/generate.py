@@ -118,10 +118,10 @@ def run(args: argparse.Namespace) -> int:
 
     max_block = args.block_size or int(drafter_config.block_size)
     target, tokenizer, drafter, precision = load_models(args.target, drafter_dir, device, args.dtype, max_block)
-    print(f"precision: {precision}", file=sys.stderr, flush=True)
     inputs = _encode(tokenizer, args.prompt, use_template=not args.no_chat_template)
     inputs = {key: value.to(device) for key, value in inputs.items()}
-    check_context_length(target, inputs["input_ids"].shape[1], args.max_new_tokens)  # before any forward
+    check_context_length(target, inputs["input_ids"].shape[1], args.max_new_tokens)  # before any forward on the prompt
+    print(f"precision: {precision}", file=sys.stderr, flush=True)
     common = dict(max_new_tokens=args.max_new_tokens, **sampling)
 
     # one short untimed pass (a few prompt tokens) so that neither timed run pays for first-call set-up (kernel
