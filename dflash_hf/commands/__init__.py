@@ -42,6 +42,17 @@ def load_models(target: str, drafter_dir: Path, device: torch.device, dtype: str
     return model, tokenizer, drafter, f"{str(model.dtype).replace('torch.', '')} ({reason})"
 
 
+def comma_separated_ints(text: str) -> list[int]:
+    """`argparse` type of flags such as `--block-sizes 4,8,16`: at least one integer, each >= 1."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 4,8,16, got {text!r}") from err
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 4,8,16, got {text!r}")
+    return values
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, dtype: bool = True) -> None:
     """`--target`, `--drafter` and (with `dtype`) `--dtype`, shared by the commands that run a target with a
     drafter."""

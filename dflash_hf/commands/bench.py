@@ -20,17 +20,7 @@ from .. import bench
 from ..modeling import DFlashConfig
 from ..runtime import available_cpus
 from ..targets import resolve_drafter_dir
-from . import add_model_arguments, load_models
-
-
-def _block_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 4,8,16, got {text!r}") from err
-    if not sizes:
-        raise argparse.ArgumentTypeError("give at least one block size, e.g. 4,8,16")
-    return sizes
+from . import add_model_arguments, comma_separated_ints, load_models
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -54,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-prompt-tokens", type=int, default=512, help="Skip longer prompts (default: 512 tokens).")
     parser.add_argument(
         "--block-sizes",
-        type=_block_sizes,
+        type=comma_separated_ints,
         default=list(bench.DEFAULT_BLOCK_SIZES),
         help="Fixed block sizes of our engine; those above the drafter's are left out (default: 4,8,16).",
     )

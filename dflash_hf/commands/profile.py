@@ -20,17 +20,7 @@ from ..bench.run import hardware_info
 from ..fileio import atomic_write, atomic_write_text
 from ..runtime import available_cpus
 from ..targets import resolve_drafter_dir
-from . import add_model_arguments, load_models
-
-
-def _integers(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,2,4,8, got {text!r}") from err
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
+from . import add_model_arguments, comma_separated_ints, load_models
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -48,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--tokens",
-        type=_integers,
+        type=comma_separated_ints,
         default=list(DEFAULT_TOKEN_COUNTS),
         help="Token counts of the target forwards (default: 1,2,4,8,16).",
     )
