@@ -59,3 +59,27 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> None
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """[`atomic_write`] of a UTF-8 text file."""
     atomic_write(path, lambda temporary: temporary.write_text(text, encoding="utf-8"))
+
+
+def atomic_write_folder(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
+    """Write the folder `path` through its hidden sibling `.NAME.partial`: `write(staging)` fills it, then it replaces
+    `path` (an old `path` is moved aside first and put back if the swap fails), so `path` is either absent, the old
+    folder or the complete new one. Leftovers of an interrupted earlier write are removed first."""
+    path = Path(path)
+    staging = path.with_name(f".{path.name}.partial")
+    previous = path.with_name(f".{path.name}.previous")
+    for leftover in (staging, previous):
+        shutil.rmtree(leftover, ignore_errors=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging.mkdir()
+    try:
+        write(staging)
+        if path.exists():
+            os.replace(path, previous)
+        os.replace(staging, path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if previous.exists() and not path.exists():
+            os.replace(previous, path)
+        raise
+    shutil.rmtree(previous, ignore_errors=True)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..fileio import atomic_write_text
+from ..fileio import atomic_write_folder, atomic_write_text
 from ..targets import first_token_id, token_ids
 from .batching import pad
 from .prompts import DEFAULT_SOURCE, MANIFEST_NAME, Prompt, encode_prompt, load_prompts
@@ -128,19 +127,7 @@ def write_dataset(out: Path, records: list[dict]) -> None:
         }
     )
     data = datasets.Dataset.from_dict(rows, features=features)
-    tmp = out / ".dataset.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    data.save_to_disk(str(tmp))
-    final = out / "dataset"
-    old = out / ".dataset.old"
-    if final.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old.exists():
-        shutil.rmtree(old)
+    atomic_write_folder(out / "dataset", lambda staging: data.save_to_disk(str(staging)))
 
 
 def _encoded(

@@ -15,7 +15,6 @@ import inspect
 import json
 import os
 import shutil
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from huggingface_hub import metadata_load, try_to_load_from_cache
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
 from ..engine.adapters import TargetAdapter
-from ..fileio import set_ordinary_mode
+from ..fileio import atomic_write_folder, set_ordinary_mode
 from ..hub_cards import render_model_card
 from ..modeling import DFlashConfig, DFlashDraftModel
 from ..targets import TARGETS, is_hub_id, resolve_target_dir
@@ -100,27 +99,12 @@ def _write_folder(drafter: DFlashDraftModel, folder: Path, format: str, card: st
 
 
 def _write_atomically(out_dir: Path, overwrite: bool, write: Callable[[Path], None]) -> None:
-    """Run `write` on a hidden staging folder beside `out_dir`, then rename it to `out_dir`."""
+    """Refuse an existing `out_dir` unless `overwrite`, then write it with [`fileio.atomic_write_folder`]."""
     if out_dir.exists() and not overwrite:
         raise ValueError(f"{out_dir} already exists; choose another folder or pass overwrite=True (`--overwrite`).")
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"{out_dir} exists and is not a folder.")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    token = uuid.uuid4().hex[:8]
-    staging = out_dir.parent / f".{out_dir.name}.partial-{token}"
-    previous = out_dir.parent / f".{out_dir.name}.previous-{token}"
-    staging.mkdir()
-    try:
-        write(staging)
-        if out_dir.exists():
-            os.replace(out_dir, previous)
-        os.replace(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        if previous.exists() and not out_dir.exists():
-            os.replace(previous, out_dir)
-        raise
-    shutil.rmtree(previous, ignore_errors=True)
+    atomic_write_folder(out_dir, write)
 
 
 def export(
