@@ -50,7 +50,10 @@ from transformers import (
 
 from .fileio import discard, set_ordinary_mode
 from .runtime import resolve_dtype
+from .special_tokens import first_token_id, token_ids
 
+# A little over ~400 lines on purpose: one job (named offline targets: build, verify and load their cache, resolve
+# drafters for them); split, the cache format would be spread over modules.
 CACHE_ENV = "DFLASH_HF_CACHE"
 MARKER_FILE = "dflash_hf_cache.json"
 CACHE_FORMAT = 1
@@ -336,22 +339,6 @@ def resolve_target_dir(name: str, rebuild: bool = False) -> Path:
                 f"The freshly built cache at {final} failed verification ({problem}); delete it and retry."
             )
     return final
-
-
-def token_ids(*values: int | list[int] | tuple[int, ...] | torch.Tensor | None) -> list[int]:
-    """Every distinct token id among `values` (each an id, a list of ids or `None`), in order."""
-    ids: list[int] = []
-    for value in values:
-        for token_id in value if isinstance(value, (list, tuple)) else [value]:
-            if token_id is not None and int(token_id) not in ids:
-                ids.append(int(token_id))
-    return ids
-
-
-def first_token_id(*values: int | list[int] | tuple[int, ...] | torch.Tensor | None) -> int | None:
-    """The first token id among `values` (the pad-id fallback chain: pad token, else EOS), or `None`."""
-    ids = token_ids(*values)
-    return ids[0] if ids else None
 
 
 def is_hub_id(name: str | os.PathLike) -> bool:

@@ -47,7 +47,7 @@ from transformers.utils import logging
 
 from dflash_hf.engine.adapters import TargetAdapter
 from dflash_hf.fileio import set_ordinary_mode
-from dflash_hf.targets import first_token_id
+from dflash_hf.special_tokens import first_token_id
 
 from .checkpoint_io import (
     OPTIMIZER_NAME,

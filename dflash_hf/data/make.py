@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..fileio import atomic_write_folder, atomic_write_text
-from ..targets import first_token_id, token_ids
+from ..special_tokens import first_token_id, token_ids
 from .batching import pad
 from .prompts import DEFAULT_SOURCE, MANIFEST_NAME, Prompt, encode_prompt, load_prompts
 

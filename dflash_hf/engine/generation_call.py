@@ -18,7 +18,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from ..modeling import DFlashDraftModel
 from ..runtime import Stopwatch
-from ..targets import first_token_id
+from ..special_tokens import first_token_id
 from . import row_exact
 from .acceptance import greedy_accept, rejection_sample
 from .adapters import TargetAdapter
