@@ -53,6 +53,18 @@ def comma_separated_ints(text: str) -> list[int]:
     return values
 
 
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    """`--threads`, shared by the commands that run models on the CPU."""
+    from ..runtime import available_cpus
+
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help=f"CPU threads for torch (default: the CPUs available to this process, here {available_cpus()}).",
+    )
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, dtype: bool = True) -> None:
     """`--target`, `--drafter` and (with `dtype`) `--dtype`, shared by the commands that run a target with a
     drafter."""

@@ -20,7 +20,7 @@ from .. import bench
 from ..modeling import DFlashConfig
 from ..runtime import available_cpus
 from ..targets import resolve_drafter_dir
-from . import add_model_arguments, comma_separated_ints, load_models
+from . import add_model_arguments, add_threads_argument, comma_separated_ints, load_models
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -62,12 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--no-chat-template", action="store_true", help="Tokenize prompts as plain text even if a template exists."
     )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help=f"CPU threads for torch (default: the CPUs available to this process, here {available_cpus()}).",
-    )
+    add_threads_argument(parser)
     parser.add_argument("--device", default="cpu", help="Device for both models (default: cpu).")
     parser.add_argument(
         "--out", type=Path, default=Path("bench-results"), help="Output folder (default: bench-results)."

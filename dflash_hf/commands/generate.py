@@ -23,7 +23,7 @@ from ..engine.generation import generate
 from ..modeling import DFlashConfig
 from ..runtime import Stopwatch, available_cpus, default_device
 from ..targets import resolve_drafter_dir
-from . import add_model_arguments, load_models
+from . import add_model_arguments, add_threads_argument, load_models
 
 T = TypeVar("T")
 WARMUP_PROMPT_TOKENS = 16
@@ -58,12 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--device", default=None, help="Device for both models (default: cuda when available, else cpu)."
     )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help=f"CPU threads for torch (default: the CPUs available to this process, here {available_cpus()}).",
-    )
+    add_threads_argument(parser)
     parser.set_defaults(func=run)
 
 

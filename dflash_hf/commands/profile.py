@@ -20,7 +20,7 @@ from ..bench.run import hardware_info
 from ..fileio import atomic_write, atomic_write_text
 from ..runtime import available_cpus
 from ..targets import resolve_drafter_dir
-from . import add_model_arguments, comma_separated_ints, load_models
+from . import add_model_arguments, add_threads_argument, comma_separated_ints, load_models
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -50,12 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--context", type=int, default=256, help="Cached context tokens (default: 256).")
     parser.add_argument("--repeats", type=int, default=5, help="Timed repeats per forward (median; default: 5).")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help=f"CPU threads for torch (default: the CPUs available to this process, here {available_cpus()}).",
-    )
+    add_threads_argument(parser)
     parser.add_argument("--device", default="cpu", help="Device for both models (default: cpu).")
     parser.add_argument("--out", type=Path, default=Path("profile-results"), help="Output folder.")
     parser.set_defaults(func=run)
