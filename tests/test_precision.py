@@ -155,6 +155,9 @@ def test_auto_measures_once_and_keeps_the_faster_precision(monkeypatch, folders,
     # the stored verdict is read, not measured again
     target, _, _, again = load_models(str(target_dir), drafter_dir, torch.device("cpu"), "auto", 4)
     assert target.dtype == expected and len(timed) == 2 and again == precision
+    # another block size is another verdict (so are another CPU, torch version, thread count or target)
+    load_models(str(target_dir), drafter_dir, torch.device("cpu"), "auto", 2)
+    assert len(timed) == 4
 
 
 def test_cost_profile_measures_every_count_and_block():

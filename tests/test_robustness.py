@@ -31,7 +31,7 @@ from test_train_helpers import make_tokenizer, write_prompts
 from transformers import AutoModel, LlamaConfig
 
 import dflash_hf
-from dflash_hf import DFlashConfig, DFlashDraftModel, cli, targets
+from dflash_hf import DFlashConfig, DFlashDraftModel, cli, fileio, targets
 from dflash_hf.data import make as data_module
 from dflash_hf.fileio import FILE_MODE
 
@@ -500,3 +500,22 @@ def test_train_survives_sigkill_during_a_checkpoint_save(reference_run, capsys):
     _assert_same_run(root, run)
     for folder in (run / "checkpoint-4", run / "final"):  # (8) ordinary modes in checkpoints and exports
         assert {stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir() if p.is_file()} == {FILE_MODE}
+
+
+def test_atomic_folder_write_keeps_the_old_folder_on_failure_and_cleans_leftovers(tmp_path):
+    folder = tmp_path / "out"
+    fileio.atomic_write_folder(folder, lambda staging: (staging / "a.txt").write_text("old"))
+    (tmp_path / ".out.partial").mkdir()  # left over by a killed earlier write
+    (tmp_path / ".out.partial" / "junk").write_text("x")
+
+    def failing(staging):
+        (staging / "a.txt").write_text("new, half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        fileio.atomic_write_folder(folder, failing)
+    assert (folder / "a.txt").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    fileio.atomic_write_folder(folder, lambda staging: (staging / "b.txt").write_text("new"))
+    assert sorted(p.name for p in folder.iterdir()) == ["b.txt"] and sorted(p.name for p in tmp_path.iterdir()) == [
+        "out"
+    ]
