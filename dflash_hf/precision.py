@@ -20,26 +20,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from .engine import row_exact
 from .fileio import atomic_write_text
 from .modeling import DFlashDraftModel
-from .runtime import native_bf16_feature
+from .runtime import cpu_model, native_bf16_feature
 
 VERDICTS_FILE = "precision.json"
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
 def verdict_key(target: str, max_block: int) -> str:
     """What a stored verdict depends on: CPU model, torch version and threads, target and block size."""
-    return f"{_cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {target} | B={max_block}"
+    return f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {target} | B={max_block}"
 
 
 def _load(target: str, drafter_dir: Path, device: torch.device, dtype: torch.dtype):

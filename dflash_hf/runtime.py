@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import platform
 import time
+from pathlib import Path
 
 import torch
 
@@ -12,6 +14,17 @@ def available_cpus() -> int:
     """CPUs this process may run on (its affinity mask where the platform has one)."""
     affinity = getattr(os, "sched_getaffinity", None)
     return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (`/proc/cpuinfo`), else what `platform` knows of it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def default_device() -> str:

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import greedy_reference, make_drafter, make_target
+from dflash_hf.trainers import checkpointing as checkpointing_module
 from dflash_hf.trainers import trainer as trainer_module
 from dflash_hf.trainers.checkpoint_io import last_complete_checkpoint
 from safetensors.torch import load_file
@@ -474,7 +475,7 @@ def test_train_survives_sigkill_during_a_checkpoint_save(reference_run, capsys):
     root = reference_run
     capsys.readouterr()
     # each checkpoint saves optimizer, scheduler and RNG state: the 7th call is inside checkpoint-3, after its weights
-    _killed_run(_train_argv(root, "run"), trainer_module, "save_state", 7)
+    _killed_run(_train_argv(root, "run"), checkpointing_module, "save_state", 7)
     run = root / "run"
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     assert [p.name for p in run.glob(".checkpoint-3*")] == [".checkpoint-3.partial"]  # never looks complete

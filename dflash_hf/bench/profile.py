@@ -38,6 +38,67 @@ def _median_ms(call, repeats: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
+def _target_ms(
+    adapter: TargetAdapter,
+    cache: DynamicCache,
+    context_tokens: int,
+    token_counts: tuple[int, ...],
+    exact: bool,
+    repeats: int,
+    generator: torch.Generator,
+) -> dict[int, float]:
+    """Median ms of a target forward of each token count (with logits for every new token) on the cached context."""
+    device = adapter.target.device
+
+    def target_forward(count: int) -> None:
+        ids = torch.randint(0, adapter.vocab_size, (1, count), generator=generator).to(device)
+        positions = torch.arange(context_tokens, context_tokens + count, device=device)[None]
+        with row_exact.verification(exact):
+            step = adapter.forward(ids, None, positions, cache)
+            adapter.logits(step.last_hidden_state)
+        truncate_cache(cache, context_tokens)
+
+    return {count: _median_ms(functools.partial(target_forward, count), repeats, device) for count in token_counts}
+
+
+def _drafter_ms(
+    adapter: TargetAdapter,
+    drafter: DFlashDraftModel,
+    context: torch.LongTensor,
+    tapped: torch.Tensor,
+    block_sizes: list[int],
+    repeats: int,
+) -> dict[int, float]:
+    """Median ms of a drafter forward (with draft-vocabulary logits) for each block size: the drafter first ingests
+    the whole context, then each timed call adds 2 committed tokens' features and rolls back (a typical cycle)."""
+    device = context.device
+    context_tokens = context.shape[1]
+    draft_cache = DynamicCache()
+    draft_ids = getattr(drafter, "draft_token_ids", None)
+    draft_ids = None if draft_ids is None else draft_ids.to(device)
+
+    def drafter_forward(block: int, context_features: torch.Tensor, start: int) -> None:
+        ids = torch.full((1, block), int(drafter.config.mask_token_id), device=device)
+        ids[0, 0] = int(context[0, -1])
+        known = context_features.shape[1]
+        out = drafter(
+            noise_embeds=adapter.embed(ids),
+            context_hidden_states=context_features,
+            position_ids=torch.arange(start, start + known + block, device=device)[None],
+            past_key_values=draft_cache,
+        )
+        truncate_cache(draft_cache, start + known)
+        adapter.logits(out.last_hidden_state[:, 1:], draft_ids)
+
+    drafter_forward(2, tapped[:, :-2], 0)
+
+    def cycle(block: int) -> None:
+        drafter_forward(block, tapped[:, -2:], context_tokens - 2)
+        truncate_cache(draft_cache, context_tokens - 2)
+
+    return {block: _median_ms(functools.partial(cycle, block), repeats, device) for block in block_sizes}
+
+
 @torch.no_grad()
 def measure_costs(
     target: PreTrainedModel,
@@ -60,55 +121,15 @@ def measure_costs(
         raise ValueError("context_tokens, repeats and every token count must be >= 1, with at least one count.")
     device = target.device
     adapter = TargetAdapter.for_drafter(target, drafter)
-    max_block = int(drafter.config.block_size)
     reduced_cpu = device.type == "cpu" and target.dtype != torch.float32
     exact = row_exact_verify and reduced_cpu and row_exact.install(target, max(token_counts))
     generator = torch.Generator().manual_seed(seed)
-    vocab = adapter.vocab_size
-    context = torch.randint(0, vocab, (1, context_tokens), generator=generator).to(device)
+    context = torch.randint(0, adapter.vocab_size, (1, context_tokens), generator=generator).to(device)
     cache = DynamicCache()
     prefill = adapter.forward(context, None, torch.arange(context_tokens, device=device)[None], cache)
-
-    def target_forward(count: int) -> None:
-        ids = torch.randint(0, vocab, (1, count), generator=generator).to(device)
-        positions = torch.arange(context_tokens, context_tokens + count, device=device)[None]
-        with row_exact.verification(exact):
-            step = adapter.forward(ids, None, positions, cache)
-            adapter.logits(step.last_hidden_state)
-        truncate_cache(cache, context_tokens)
-
-    target_ms = {count: _median_ms(functools.partial(target_forward, count), repeats, device) for count in token_counts}
-
-    draft_cache = DynamicCache()
-    block_sizes = [b for b in token_counts if 2 <= b <= max_block]
-    draft_ids = getattr(drafter, "draft_token_ids", None)
-
-    def drafter_forward(block: int, context_features: torch.Tensor, start: int) -> None:
-        ids = torch.full((1, block), int(drafter.config.mask_token_id), device=device)
-        ids[0, 0] = int(context[0, -1])
-        known = context_features.shape[1]
-        positions = torch.arange(start, start + known + block, device=device)[None]
-        out = drafter(
-            noise_embeds=adapter.embed(ids),
-            context_hidden_states=context_features,
-            position_ids=positions,
-            past_key_values=draft_cache,
-        )
-        truncate_cache(draft_cache, start + known)
-        adapter.logits(out.last_hidden_state[:, 1:], None if draft_ids is None else draft_ids.to(device))
-
-    # the drafter first ingests the whole context, then each timed call adds 2 committed tokens' features and rolls
-    # back (a typical cycle after the first)
-    tapped = prefill.tapped_hidden_states
-    drafter_forward(2, tapped[:, :-2], 0)
-    drafter_ms = {}
-    for block in block_sizes:
-
-        def cycle(block: int = block) -> None:
-            drafter_forward(block, tapped[:, -2:], context_tokens - 2)
-            truncate_cache(draft_cache, context_tokens - 2)
-
-        drafter_ms[block] = _median_ms(cycle, repeats, device)
+    target_ms = _target_ms(adapter, cache, context_tokens, token_counts, exact, repeats, generator)
+    block_sizes = [b for b in token_counts if 2 <= b <= int(drafter.config.block_size)]
+    drafter_ms = _drafter_ms(adapter, drafter, context, prefill.tapped_hidden_states, block_sizes, repeats)
     step_ms = target_ms.get(1) or min(target_ms.values())
     return {
         "dtype": str(target.dtype).replace("torch.", ""),

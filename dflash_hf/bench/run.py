@@ -11,7 +11,6 @@ import platform
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +21,7 @@ from transformers import PreTrainedModel
 from ..data.prompts import BenchPrompt
 from ..engine.acceptance import acceptance_rate_by_slot
 from ..modeling import DFlashDraftModel
-from ..runtime import available_cpus
+from ..runtime import available_cpus, cpu_model
 from .methods import BenchMethod, MethodRun, default_methods
 from .profile import measure_costs
 
@@ -67,16 +66,8 @@ class BenchResult:
 
 def hardware_info(device: torch.device) -> dict[str, Any]:
     """CPU model, CPU and torch thread counts, accelerator and library versions of this machine."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     info = {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cpus_available": available_cpus(),
         "torch_threads": torch.get_num_threads(),
         "device": str(device),
@@ -203,7 +194,10 @@ def run_bench(
         prompts, max_new_tokens, warmup_tokens, default_methods(target, drafter) if methods is None else methods
     )
     inputs = [torch.tensor([p.input_ids], dtype=torch.long, device=target.device) for p in prompts]
-    runs, costs = _decode_all(methods, inputs, max_new_tokens, warmup_tokens, progress, profile_costs, target, drafter)
+    if warmup_tokens:
+        _warm_up(methods, inputs[0], min(warmup_tokens, max_new_tokens), progress)
+    costs = measure_costs(target, drafter) if profile_costs else None
+    runs = _decode_all(methods, inputs, max_new_tokens, progress)
     results, summaries, mismatches = _compare(methods, runs, prompts)
     _print_mismatches(mismatches)
     recorded = {
@@ -267,22 +261,18 @@ def _checked(
 
 
 @torch.no_grad()
+@torch.no_grad()
+def _warm_up(methods: list[BenchMethod], prompt_ids: torch.LongTensor, tokens: int, progress: bool) -> None:
+    """Every method decodes `tokens` tokens of `prompt_ids`, untimed (first-call set-up out of the timings)."""
+    for method in tqdm(methods, desc="warm-up", unit="method", disable=not progress):
+        method.run(prompt_ids, tokens)
+
+
+@torch.no_grad()
 def _decode_all(
-    methods: list[BenchMethod],
-    inputs: list[torch.LongTensor],
-    max_new_tokens: int,
-    warmup_tokens: int,
-    progress: bool,
-    profile_costs: bool,
-    target: PreTrainedModel,
-    drafter: DFlashDraftModel,
-) -> tuple[dict[str, list[MethodRun]], dict[str, Any] | None]:
-    """Warm every method up, profile the forward costs if asked, then run the methods prompt by prompt
-    (interleaved); returns the runs of each method, by name, and the cost profile."""
-    if warmup_tokens:
-        for method in tqdm(methods, desc="warm-up", unit="method", disable=not progress):
-            method.run(inputs[0], min(warmup_tokens, max_new_tokens))
-    costs = measure_costs(target, drafter) if profile_costs else None
+    methods: list[BenchMethod], inputs: list[torch.LongTensor], max_new_tokens: int, progress: bool
+) -> dict[str, list[MethodRun]]:
+    """Run the methods prompt by prompt (interleaved); the runs of each method, by name."""
     runs: dict[str, list[MethodRun]] = {m.name: [] for m in methods}
     with tqdm(total=len(inputs) * len(methods), desc="bench", unit="run", disable=not progress) as bar:
         for index, prompt_ids in enumerate(inputs):
@@ -290,7 +280,7 @@ def _decode_all(
                 bar.set_postfix_str(f"prompt {index} {method.name}")
                 runs[method.name].append(method.run(prompt_ids, max_new_tokens))
                 bar.update()
-    return runs, costs
+    return runs
 
 
 def _compare(

@@ -22,15 +22,15 @@ def load_models(target: str, drafter_dir: Path, device: torch.device, dtype: str
     from ..engine import row_exact
     from ..modeling import DFlashDraftModel
     from ..precision import measured_choice
-    from ..runtime import inference_dtype, native_bf16_feature
+    from ..runtime import inference_dtype
     from ..targets import cache_dir, load_target
 
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # loading bars would interleave with the output; cache builds show their own
     try:
-        if dtype == "auto" and device.type == "cpu" and native_bf16_feature() is not None:
-            return measured_choice(target, drafter_dir, device, max_block, cache_dir())
         chosen, reason = inference_dtype(dtype, device)
+        if dtype == "auto" and device.type == "cpu" and chosen != torch.float32:  # native bf16: measure which pays
+            return measured_choice(target, drafter_dir, device, max_block, cache_dir())
         model, tokenizer = load_target(target, dtype=chosen, device=device)
         if device.type == "cpu" and chosen != torch.float32:
             exact = row_exact.install(model, max_block)

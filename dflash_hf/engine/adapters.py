@@ -84,6 +84,14 @@ def _prepacked_linear(hidden_states: torch.Tensor, weight: torch.Tensor) -> torc
     return entry[2](flat).view(*hidden_states.shape[:-1], weight.shape[0])
 
 
+def head_projection(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear(hidden_states, weight, bias)` the engine's way: through a oneDNN-prepacked weight where that is faster
+    (a bias-free float32 head on CPU), else `nn.functional.linear`."""
+    if bias is None and _can_prepack(hidden_states, weight):
+        return _prepacked_linear(hidden_states, weight)
+    return nn.functional.linear(hidden_states, weight, bias)
+
+
 class _EngineLMHead(nn.Module):
     """The target's LM head computed the way the engine computes verification logits (prepacked where it can)."""
 
@@ -92,10 +100,7 @@ class _EngineLMHead(nn.Module):
         self.head = head
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = self.head.weight
-        if self.head.bias is None and _can_prepack(hidden_states, weight):
-            return _prepacked_linear(hidden_states, weight)
-        return self.head(hidden_states)
+        return head_projection(hidden_states, self.head.weight, self.head.bias)
 
 
 def uses_engine_kernels(target: PreTrainedModel) -> bool:
@@ -232,11 +237,7 @@ class TargetAdapter:
         hidden_states = hidden_states.to(self.lm_head.weight.dtype)
         weight = self.lm_head.weight if token_ids is None else self._head_rows(token_ids)
         bias = self.lm_head.bias if token_ids is None else None
-        if bias is None and _can_prepack(hidden_states, weight):
-            logits = _prepacked_linear(hidden_states, weight)
-        else:
-            logits = nn.functional.linear(hidden_states, weight, bias)
-        logits = logits.float()
+        logits = head_projection(hidden_states, weight, bias).float()
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

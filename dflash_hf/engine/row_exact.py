@@ -90,6 +90,8 @@ def _rows_match(linear: torch.nn.Linear, max_rows: int, generator: torch.Generat
 
 def _one_row_at_a_time(module: torch.nn.Linear, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
     """Forward hook: inside [`verification`], recompute a multi-row output row by row (the decode-step kernel)."""
+    # A hook, not a replaced `forward`: it leaves the user's module (and accelerate's own hooks) as they are, at the
+    # price of the discarded multi-row result (about 3% of a bf16 verify of SmolLM2).
     (x,) = args
     if not _ROW_BY_ROW.get() or x.shape[:-1].numel() == 1:
         return None
