@@ -131,6 +131,45 @@ def test_tampered_output_is_reported(setup, capsys):
     assert "Warning: 1 output(s) differ" in bench.render_markdown(document)
 
 
+def test_sampling_rows_compare_with_plain_sampling_in_speed_only(setup, tmp_path):
+    """Sampling rows: plain sampling per temperature and the engine with each proposal, each engine row's speedup
+    taken against plain sampling at its temperature; sampled outputs are never called mismatches."""
+    target, drafter, prompts = setup
+    methods = bench.default_methods(target, drafter, block_sizes=[4], adaptive=False)[:1]
+    methods += bench.sampling_methods(target, drafter, [0.7, 1.0], block_size=4)
+    assert [m.name for m in methods] == [
+        "greedy",
+        "sample_t0.7", "dflash_b4_t0.7_argmax", "dflash_b4_t0.7_sample",
+        "sample_t1", "dflash_b4_t1_argmax", "dflash_b4_t1_sample",
+    ]  # fmt: skip
+    result = bench.run_bench(
+        target, drafter, prompts, max_new_tokens=MAX_NEW, methods=methods, warmup_tokens=0, progress=False
+    )
+    assert result.exact and result.mismatches == []
+    plain = {m["name"]: m["summary"]["tokens_per_s"] for m in result.methods}
+    for method in result.methods[1:]:
+        summary = method["summary"]
+        assert method["sampled"] and summary["exact"] is None
+        assert all(r["matches_greedy"] is None for r in result.results[method["name"]])
+        if method["name"].startswith("dflash"):
+            temperature = method["name"].split("_")[2][1:]
+            assert method["baseline"] == f"sample_t{temperature}"
+            assert summary["speedup"] == pytest.approx(summary["tokens_per_s"] / plain[method["baseline"]])
+            assert all(1 <= n <= 4 for r in result.results[method["name"]] for n in r["accepted_lengths"])
+    # seeded: the same method samples the same tokens again
+    again = methods[2].run(torch.tensor([PROMPTS[0]]), MAX_NEW).new_tokens
+    assert again == result.results["dflash_b4_t0.7_argmax"][0]["output_ids"]
+    assert "n/a (sampled)" in bench.markdown_table(result)
+    bench.write_outputs(result, tmp_path / "out")
+    with pytest.raises(ValueError, match="temperatures must be > 0"):
+        bench.sampling_methods(target, drafter, [0.0], block_size=4)
+    with pytest.raises(ValueError, match="sampling block size"):
+        bench.sampling_methods(target, drafter, [1.0], block_size=16)
+    orphan = bench.BenchMethod("x", "x", methods[0].run, baseline="missing")
+    with pytest.raises(ValueError, match="compare with"):
+        bench.run_bench(target, drafter, prompts, max_new_tokens=2, methods=[methods[0], orphan], progress=False)
+
+
 def test_outputs_json_schema_plots_and_readme_section(result, tmp_path):
     paths = bench.write_outputs(result, tmp_path / "out")
     out = tmp_path / "out"
@@ -304,12 +343,18 @@ def test_cli_end_to_end(folders, tmp_path, capsys):
     section = capsys.readouterr().out
     assert "![Speedup by method](img/speedup.png)" in section and document["command"] in section
 
+    out = tmp_path / "sampling"
+    assert cli.main(_bench_args(folders, out, "--temperatures", "0.7", "--skip", "prompt_lookup,native_dflash")) == 0
+    document = json.loads((out / bench.JSON_NAME).read_text())
+    assert document["settings"]["methods"][-3:] == ["sample_t0.7", "dflash_b4_t0.7_argmax", "dflash_b4_t0.7_sample"]
+    assert "--temperatures 0.7 --sampling-block-size 4" in document["command"]
+
 
 def test_cli_mismatch_exit_status(folders, tmp_path, capsys, monkeypatch):
     original = bench.methods._engine_runner
 
-    def tampering_runner(target, drafter, block_size):
-        run = original(target, drafter, block_size)
+    def tampering_runner(target, drafter, block_size, **kwargs):
+        run = original(target, drafter, block_size, **kwargs)
 
         def tampered(input_ids, max_new_tokens):
             result = run(input_ids, max_new_tokens)
@@ -332,6 +377,7 @@ def test_cli_mismatch_exit_status(folders, tmp_path, capsys, monkeypatch):
         (["--num-prompts", "0"], "--num-prompts must be >= 1"),
         (["--block-sizes", "8,16"], "None of the block sizes"),
         (["--prompts", "nowhere"], "Unknown prompt set"),
+        (["--temperatures", "0.7", "--sampling-block-size", "9"], "sampling block size must be in [2, 4]"),
     ],
 )
 def test_cli_bad_input(folders, tmp_path, capsys, extra, message):

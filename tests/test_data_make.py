@@ -120,6 +120,66 @@ def test_make_data_resumes_without_duplicates_or_losses(target, tmp_path, monkey
         )
 
 
+def test_teacher_forced_data_keeps_the_source_replies(target, tmp_path, monkeypatch):
+    """`responses="source"`: no generation; each response is the source's reply, cut and closed with the end token."""
+    tok = make_tokenizer()
+    replies = ["a short reply", "a reply much longer than the cut of sixteen tokens", None, "ok"]
+    rows = [
+        {"id": f"c{i}", "conversations": [{"from": "human", "value": p}] + ([{"from": "gpt", "value": r}] if r else [])}
+        for i, (p, r) in enumerate(zip(PROMPTS, replies))
+    ]
+    src = tmp_path / "chats.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("teacher-forced data must not generate")
+
+    monkeypatch.setattr(data_mod, "regenerate", no_generation)
+    manifest = make_data(
+        target,
+        tok,
+        tmp_path / "tf",
+        source=str(src),
+        max_new_tokens=16,
+        held_out_fraction=0.0,
+        responses="source",
+        progress=False,
+    )
+    data = load_training_data(tmp_path / "tf")
+    assert sorted(data["id"]) == ["c0", "c1", "c3"]
+    assert manifest["counts"]["skipped_without_reply"] == 1
+    assert manifest["settings"]["decoding"] == "source replies (teacher-forced)"
+    end = target.generation_config.eos_token_id
+    end = end[0] if isinstance(end, list) else end
+    for row in data:
+        i = int(row["id"][1:])
+        prompt_ids = prompts_mod.encode_prompt(tok, PROMPTS[i])
+        reply_ids = tok(replies[i], add_special_tokens=False)["input_ids"]
+        response = row["input_ids"][row["prompt_length"] :]
+        assert row["input_ids"][: row["prompt_length"]] == prompt_ids
+        assert response == (reply_ids + [end] if len(reply_ids) < 16 else reply_ids[:16])
+        assert row["loss_mask"] == [0] * len(prompt_ids) + [1] * len(response)
+    with pytest.raises(ValueError, match="other settings"):  # not resumed as regenerated data
+        make_data(target, tok, tmp_path / "tf", source=str(src), max_new_tokens=16, held_out_fraction=0.0)
+    with pytest.raises(ValueError, match="responses must be one of"):
+        make_data(target, tok, tmp_path / "x", source=str(src), responses="sampled", progress=False)
+
+
+def test_reply_of_reads_the_turn_after_the_prompt():
+    chat = {
+        "conversations": [
+            {"from": "system", "value": "s"},
+            {"from": "human", "value": "q"},
+            {"from": "gpt", "value": "a"},
+        ]
+    }
+    assert prompts_mod.prompt_of(chat) == "q" and prompts_mod.reply_of(chat) == "a"
+    messages = {"messages": [{"role": "user", "content": "q"}, {"role": "user", "content": "again"}]}
+    assert prompts_mod.prompt_of(messages) == "q" and prompts_mod.reply_of(messages) is None
+    assert prompts_mod.reply_of({"instruction": "q", "output": "a"}) == "a"
+    assert prompts_mod.reply_of({"prompt": "q"}) is None
+
+
 def test_max_samples_and_plain_text_prompts(target, tmp_path):
     tok = make_tokenizer(chat_template=False)
     src = write_prompts(tmp_path / "p.jsonl")

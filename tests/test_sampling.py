@@ -64,7 +64,7 @@ def _exact_joint_of_tokens_2_and_3(target, prompt: torch.Tensor) -> torch.Tensor
     return (p1[:, None, None] * p2[:, :, None] * p3).sum(0)
 
 
-def _chi_square(target, drafter, prompt, expected: torch.Tensor) -> float:
+def _chi_square(target, drafter, prompt, expected: torch.Tensor, proposal: str = "argmax") -> float:
     torch.manual_seed(1234)
     out = dflash_hf.generate(
         target,
@@ -75,6 +75,7 @@ def _chi_square(target, drafter, prompt, expected: torch.Tensor) -> float:
         temperature=TEMPERATURE,
         top_k=TOP_K,
         top_p=1.0,
+        sampling_proposal=proposal,
     )
     t2, t3 = out[:, -2], out[:, -1]
     counts = torch.bincount(t2 * VOCAB + t3, minlength=VOCAB * VOCAB).double()
@@ -97,20 +98,50 @@ def setup():
     return target, drafter, prompt, _exact_joint_of_tokens_2_and_3(target, prompt)
 
 
-def test_speculative_sampling_matches_target_distribution(setup):
+@pytest.mark.parametrize("proposal", ["argmax", "sample"])
+def test_speculative_sampling_matches_target_distribution(setup, proposal):
     target, drafter, prompt, expected = setup
-    statistic, cells = _chi_square(target, drafter, prompt, expected)
+    statistic, cells = _chi_square(target, drafter, prompt, expected, proposal)
     assert statistic < _bound(cells), statistic
 
 
-def test_reduced_draft_vocabulary_keeps_sampling_lossless(setup):
+@pytest.mark.parametrize("proposal", ["argmax", "sample"])
+def test_reduced_draft_vocabulary_keeps_sampling_lossless(setup, proposal):
     """Tokens outside the draft vocabulary are never proposed, yet the output still follows the target."""
     target, drafter, prompt, expected = setup
     reduced = DFlashDraftModel(DFlashConfig(**{**drafter.config.to_dict(), "draft_vocab_size": 4})).eval()
     reduced.load_state_dict(drafter.state_dict(), strict=False)
     reduced.set_draft_vocabulary([1, 3, 4, 6])
-    statistic, cells = _chi_square(target, reduced, prompt, expected)
+    statistic, cells = _chi_square(target, reduced, prompt, expected, proposal)
     assert statistic < _bound(cells), statistic
+
+
+def test_argmax_proposal_drafts_point_masses_on_the_argmax(setup, monkeypatch):
+    """The deterministic proposal: every drafted token is its slot's argmax and `q` is one-hot on it, while the
+    sampled proposal gives full distributions."""
+    target, drafter, prompt, _ = setup
+    seen = []
+    real = generation_call.GenerationCall._propose
+
+    def recording(self, draft_logits, rows):
+        tokens, probs = real(self, draft_logits, rows)
+        seen.append((draft_logits.argmax(-1), tokens, probs))
+        return tokens, probs
+
+    monkeypatch.setattr(generation_call.GenerationCall, "_propose", recording)
+    rows = prompt.expand(64, -1).contiguous()
+    for proposal in ("argmax", "sample"):
+        seen.clear()
+        torch.manual_seed(0)
+        dflash_hf.generate(target, drafter, rows, max_new_tokens=6, do_sample=True, sampling_proposal=proposal)
+        argmax, tokens, probs = seen[0]
+        if proposal == "argmax":
+            assert torch.equal(tokens, argmax)
+            assert torch.equal(probs, torch.nn.functional.one_hot(tokens, VOCAB).float())
+        else:
+            assert (probs > 0).sum(-1).min() > 1 and not torch.equal(tokens, argmax)
+    with pytest.raises(ValueError, match="sampling_proposal must be one of"):
+        dflash_hf.generate(target, drafter, prompt, max_new_tokens=4, do_sample=True, sampling_proposal="top")
 
 
 def test_biased_sampler_is_caught(setup, monkeypatch):

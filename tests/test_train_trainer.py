@@ -128,6 +128,25 @@ def test_offline_features_match_online(tiny, tmp_path):
         OfflineFeatureDataset(data, feats, [0, 5])
 
 
+def test_offline_features_of_several_data_folders(tiny, tmp_path):
+    """`--data a,b --features_dir fa,fb`: each row reads its features from its own folder, in order."""
+    target, _, data, _ = tiny
+    head, tail = data.select(range(3)), data.select(range(3, len(data)))
+    cache_features(target, head, tmp_path / "fa", [1, 3], batch_size=2, shard_bytes=1, progress=False)
+    cache_features(target, tail, tmp_path / "fb", [1, 3], batch_size=2, progress=False)
+    both = OfflineFeatureDataset(data, f"{tmp_path / 'fa'},{tmp_path / 'fb'}", [1, 3])
+    single = [OfflineFeatureDataset(head, tmp_path / "fa", [1, 3]), OfflineFeatureDataset(tail, tmp_path / "fb")]
+    expected = [single[0][i] for i in range(len(head))] + [single[1][i] for i in range(len(tail))]
+    assert len(both) == len(data) and both.has_final_hidden
+    for row, want in enumerate(expected):
+        got = both[row]
+        assert got["input_ids"] == want["input_ids"] == data[row]["input_ids"]
+        assert torch.equal(got["target_hidden"], want["target_hidden"])
+        assert torch.equal(got["target_final_hidden"], want["target_final_hidden"])
+    with pytest.raises(ValueError, match="one features folder per data folder"):
+        OfflineFeatureDataset(data, tmp_path / "fa", [1, 3])
+
+
 def test_cache_features_resumes(tiny, tmp_path, monkeypatch):
     target, _, data, _ = tiny
     import dflash_hf.data.features as features

@@ -13,7 +13,7 @@
 """
 
 from ..data.prompts import PROMPT_SETS, BenchPrompt, load_bench_prompts
-from .methods import DEFAULT_BLOCK_SIZES, BenchMethod, MethodRun, default_methods
+from .methods import DEFAULT_BLOCK_SIZES, BenchMethod, MethodRun, default_methods, sampling_methods
 from .report import JSON_NAME, MARKDOWN_NAME, PLOT_NAMES, markdown_table, render_markdown, write_outputs, write_plots
 from .run import BENCH_FORMAT, BenchResult, hardware_info, run_bench
 
@@ -29,6 +29,7 @@ __all__ = [
     "BenchResult",
     "MethodRun",
     "default_methods",
+    "sampling_methods",
     "hardware_info",
     "load_bench_prompts",
     "markdown_table",

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from ..engine.acceptance import SAMPLING_PROPOSALS
 from ..engine.adapters import engine_kernels, uses_engine_kernels
 from ..engine.generation import generate
 from ..modeling import DFlashDraftModel
@@ -51,18 +52,27 @@ class MethodRun:
 
 
 MethodRunner = Callable[[torch.LongTensor, int], MethodRun]
-"""Decodes one prompt `(1, length)` greedily with at most `max_new_tokens` new tokens."""
+"""Decodes one prompt `(1, length)` with at most `max_new_tokens` new tokens."""
+
+SAMPLING_SEED = 0  # every sampled run starts from this torch seed, so a bench run is reproducible
 
 
 @dataclass
 class BenchMethod:
-    """A decoding method under test: a name for the JSON, a label for tables and plots, and its runner."""
+    """A decoding method under test: a name for the JSON, a label for tables and plots, and its runner.
+
+    `baseline` names the method it is compared with (speedup, and token equality unless `sampled`); `None` is the
+    bench's first method, plain greedy. A `sampled` method's output is random: it is compared in speed only (that
+    sampling keeps the target's distribution is a property the distribution tests check, not one prompt can show).
+    """
 
     name: str
     label: str
     run: MethodRunner
     description: str = ""
     block_size: int | None = None
+    baseline: str | None = None
+    sampled: bool = False
 
 
 class _TargetWatch:
@@ -137,19 +147,22 @@ def _transformers_runner(
     with_engine_kernels: bool = False,
     **generate_kwargs: Any,
 ) -> MethodRunner:
-    """Runner for `target.generate(...)` with extra keyword arguments, measured with [`_TargetWatch`]; with
-    `with_engine_kernels`, the target computes its layers with the engine's kernels ([`engine_kernels`])."""
+    """Runner for `target.generate(...)` (greedy unless `do_sample=True` is given) with extra keyword arguments,
+    measured with [`_TargetWatch`]; with `with_engine_kernels`, the target computes its layers with the engine's
+    kernels ([`engine_kernels`])."""
+    generate_kwargs = {"do_sample": False, **generate_kwargs}
 
     def run(input_ids: torch.LongTensor, max_new_tokens: int) -> MethodRun:
         kernels = engine_kernels(target) if with_engine_kernels else contextlib.nullcontext()
         watch, stopwatch = _TargetWatch(target, drafter), Stopwatch(input_ids.device)
+        if generate_kwargs["do_sample"]:
+            torch.manual_seed(SAMPLING_SEED)
         try:
             with kernels, stopwatch:
                 sequences = target.generate(
                     input_ids,
                     attention_mask=torch.ones_like(input_ids),
                     max_new_tokens=max_new_tokens,
-                    do_sample=False,
                     **generate_kwargs,
                 )
         finally:
@@ -167,10 +180,16 @@ def _transformers_runner(
     return run
 
 
-def _engine_runner(target: PreTrainedModel, drafter: DFlashDraftModel, block_size: int | str) -> MethodRunner:
-    """Runner for this package's engine, [`dflash_hf.generate`], at one block size (or `"adaptive"`)."""
+def _engine_runner(
+    target: PreTrainedModel, drafter: DFlashDraftModel, block_size: int | str, **generate_kwargs: Any
+) -> MethodRunner:
+    """Runner for this package's engine, [`dflash_hf.generate`], at one block size (or `"adaptive"`); greedy unless
+    `do_sample=True` is given."""
+    generate_kwargs = {"do_sample": False, **generate_kwargs}
 
     def run(input_ids: torch.LongTensor, max_new_tokens: int) -> MethodRun:
+        if generate_kwargs["do_sample"]:
+            torch.manual_seed(SAMPLING_SEED)
         with Stopwatch(input_ids.device) as stopwatch:
             out = generate(
                 target,
@@ -179,8 +198,8 @@ def _engine_runner(target: PreTrainedModel, drafter: DFlashDraftModel, block_siz
                 attention_mask=torch.ones_like(input_ids),
                 block_size=block_size,
                 max_new_tokens=max_new_tokens,
-                do_sample=False,
                 return_dict_in_generate=True,
+                **generate_kwargs,
             )
         return MethodRun(
             new_tokens=out.sequences[0, input_ids.shape[1] :].tolist(),
@@ -270,4 +289,43 @@ def default_methods(
                 block_size=trained,
             )
         )
+    return methods
+
+
+def sampling_methods(
+    target: PreTrainedModel, drafter: DFlashDraftModel, temperatures: Sequence[float], block_size: int
+) -> list[BenchMethod]:
+    """Sampling rows: per temperature, plain sampling and our engine with each draft proposal (`argmax`, `sample`),
+    each engine row compared with plain sampling at the same temperature (no top-k / top-p)."""
+    trained = int(drafter.config.block_size)
+    if not 2 <= int(block_size) <= trained:
+        raise ValueError(f"The sampling block size must be in [2, {trained}] (the drafter's), got {block_size}.")
+    methods = []
+    for temperature in temperatures:
+        if not temperature > 0:
+            raise ValueError(f"Sampling temperatures must be > 0, got {temperature}.")
+        sample = {"do_sample": True, "temperature": float(temperature), "top_k": None, "top_p": None}
+        plain = f"sample_t{temperature:g}"
+        methods.append(
+            BenchMethod(
+                plain,
+                f"plain sampling T={temperature:g}",
+                _transformers_runner(target, **sample),
+                f"target.generate(do_sample=True, temperature={temperature:g})",
+                sampled=True,
+            )
+        )
+        methods += [
+            BenchMethod(
+                f"dflash_b{block_size}_t{temperature:g}_{proposal}",
+                f"dflash-hf B={block_size} T={temperature:g}, {proposal} proposal",
+                _engine_runner(target, drafter, int(block_size), sampling_proposal=proposal, **sample),
+                f"dflash_hf.generate(block_size={block_size}, do_sample=True, temperature={temperature:g}, "
+                f'sampling_proposal="{proposal}")',
+                block_size=int(block_size),
+                baseline=plain,
+                sampled=True,
+            )
+            for proposal in SAMPLING_PROPOSALS
+        ]
     return methods

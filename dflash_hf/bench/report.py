@@ -44,6 +44,15 @@ def _fmt(value: float | None, digits: int = 2, suffix: str = "", empty: str = "n
     return empty if value is None else f"{value:.{digits}f}{suffix}"
 
 
+def _exact_cell(summary: dict[str, Any]) -> str:
+    """The table's "exact" cell: yes, NO with the prompts, or n/a for sampled outputs (not compared token by token)."""
+    if summary["exact"] is None:
+        return "n/a (sampled)"
+    if summary["exact"]:
+        return "yes"
+    return f"**NO** (prompts {', '.join(map(str, summary['mismatched_prompts']))})"
+
+
 def markdown_table(result: BenchResult | dict[str, Any] | str | os.PathLike) -> str:
     """The per-method results as a Markdown table (from a result, its JSON document, or the path of `bench.json`).
 
@@ -59,7 +68,7 @@ def markdown_table(result: BenchResult | dict[str, Any] | str | os.PathLike) -> 
     ]
     for method in document["methods"]:
         summary = method["summary"]
-        exact = "yes" if summary["exact"] else f"**NO** (prompts {', '.join(map(str, summary['mismatched_prompts']))})"
+        exact = _exact_cell(summary)
         line = (
             f"| {method['label']} | {_fmt(summary['mean_block_size'], 1, empty='-')} | {_fmt(summary['tau'])} "
             f"| {_fmt(summary['tokens_per_s'])} "
@@ -111,9 +120,10 @@ def render_markdown(
         "",
         markdown_table(document).rstrip("\n"),
         "",
-        "Speedup is tokens/s over plain greedy `target.generate` in the same process on the same prompts; tau is "
-        "tokens committed per target forward after the prefill; exact means every output equals plain greedy's, token "
-        "for token.",
+        "Speedup is tokens/s over plain greedy `target.generate` in the same process on the same prompts (sampled rows: "
+        "over plain sampling `target.generate(do_sample=True)` at the same temperature); tau is tokens committed per "
+        "target forward after the prefill; exact means every output equals plain greedy's, token for token (sampled "
+        "outputs are random: their losslessness is a distribution property, checked by the test suite).",
         "",
         f"![Speedup by method]({prefix}{PLOT_NAMES['speedup']})",
         f"![Accepted lengths]({prefix}{PLOT_NAMES['accepted_lengths']})",
@@ -167,13 +177,18 @@ def _plot_speedup(document: dict[str, Any], axes) -> None:
     methods = [m for m in document["methods"] if m["summary"]["speedup"] is not None]
     labels = [m["label"] for m in methods]
     values = [m["summary"]["speedup"] for m in methods]
-    colors = ["tab:blue" if m["summary"]["exact"] else "tab:red" for m in methods]
+    colors = [
+        "tab:gray" if m["summary"]["exact"] is None else "tab:blue" if m["summary"]["exact"] else "tab:red"
+        for m in methods
+    ]
     bars = axes.barh(range(len(methods)), values, color=colors)
     axes.set_yticks(range(len(methods)), labels)
     axes.invert_yaxis()
     axes.axvline(1.0, color="black", linewidth=0.8)
     axes.bar_label(bars, labels=[f"{v:.2f}x" for v in values], padding=3)
-    axes.set_xlabel("speedup over plain greedy (tokens/s ratio); red: output differs from greedy")
+    axes.set_xlabel(
+        "speedup over plain greedy, sampled rows over plain sampling (tokens/s ratio); red: differs from greedy"
+    )
     axes.set_xlim(0, max(values + [1.0]) * 1.2)
     axes.set_title("Speedup by method")
 

@@ -1,4 +1,5 @@
-"""One bench run: every method on every prompt, interleaved, compared token by token with plain greedy decoding.
+"""One bench run: every method on every prompt, interleaved, compared token by token with plain greedy decoding
+(sampled methods: in speed only, against plain sampling at the same temperature).
 
 The result ([`BenchResult`]) holds per-prompt records and per-method summaries; `to_json()` is `bench.json`.
 """
@@ -91,7 +92,9 @@ def _first_mismatch(expected: list[int], got: list[int]) -> int | None:
     return None if len(expected) == len(got) else min(len(expected), len(got))
 
 
-def _per_prompt(index: int, run: MethodRun, reference: MethodRun | None) -> dict[str, Any]:
+def _per_prompt(index: int, run: MethodRun, reference: MethodRun | None, compare_tokens: bool = True) -> dict[str, Any]:
+    """One method's record on one prompt; speedup against `reference`'s run and, with `compare_tokens`, where its
+    output first differs from it (`matches_greedy` is `None` for sampled runs, which are not compared)."""
     cycles = len(run.accepted_lengths)
     record = {
         "prompt": index,
@@ -106,16 +109,17 @@ def _per_prompt(index: int, run: MethodRun, reference: MethodRun | None) -> dict
         "draft_s": run.draft_time,
         "verify_s": run.verify_time,
         "prefill_s": run.prefill_time,
-        "matches_greedy": True,
+        "matches_greedy": True if compare_tokens else None,
         "first_mismatch": None,
         "output_ids": run.new_tokens,
     }
     if reference is not None:
         if run.seconds > 0 and reference.seconds > 0 and reference.new_tokens:
             record["speedup"] = (len(run.new_tokens) / run.seconds) / (len(reference.new_tokens) / reference.seconds)
-        position = _first_mismatch(reference.new_tokens, run.new_tokens)
-        record["matches_greedy"] = position is None
-        record["first_mismatch"] = position
+        if compare_tokens:
+            position = _first_mismatch(reference.new_tokens, run.new_tokens)
+            record["matches_greedy"] = position is None
+            record["first_mismatch"] = position
     return record
 
 
@@ -137,7 +141,8 @@ def _summary(records: list[dict[str, Any]], block_size: int | None, reference_ra
     slots = block_size if block_size is not None else max(lengths, default=0)
 
     histogram = {str(n): lengths.count(n) for n in range(1, max(lengths, default=0) + 1)}
-    mismatched = [r["prompt"] for r in records if not r["matches_greedy"]]
+    mismatched = [r["prompt"] for r in records if r["matches_greedy"] is False]
+    compared = all(r["matches_greedy"] is not None for r in records)
     return {
         "prompts": len(records),
         "new_tokens": tokens,
@@ -156,7 +161,7 @@ def _summary(records: list[dict[str, Any]], block_size: int | None, reference_ra
         "accepted_length_histogram": histogram,
         "mean_block_size": sum(sizes) / len(sizes) if sizes else block_size,
         "acceptance_rate_by_slot": acceptance_rate_by_slot(lengths, sizes, slots) if cycles else [],
-        "exact": not mismatched,
+        "exact": not mismatched if compared else None,
         "mismatched_prompts": mismatched,
     }
 
@@ -180,7 +185,8 @@ def run_bench(
         prompts: The prompts (see [`dflash_hf.data.prompts.load_bench_prompts`]; any `BenchPrompt` with token ids works).
         max_new_tokens: Most new tokens per prompt.
         methods: The methods to compare (default: [`default_methods`]); the first one is the reference for
-            speedup and exactness and should be plain greedy decoding.
+            speedup and exactness and should be plain greedy decoding; a method with a `baseline` is compared with
+            that method instead (see [`BenchMethod`]).
         warmup_tokens: Each method first decodes this many tokens of the first prompt, untimed (0: no warm-up).
         settings: Extra settings to record in the result (prompt source, threads, command-line options, ...).
         progress: Show tqdm progress bars.
@@ -257,6 +263,9 @@ def _checked(
     names = [m.name for m in methods]
     if len(set(names)) != len(names):
         raise ValueError(f"Method names must be unique, got {names}.")
+    missing = sorted({m.baseline for m in methods if m.baseline is not None} - set(names))
+    if missing:
+        raise ValueError(f"Methods compare with {missing}, which are not among the methods {names}.")
     return methods
 
 
@@ -286,19 +295,24 @@ def _decode_all(
 def _compare(
     methods: list[BenchMethod], runs: dict[str, list[MethodRun]], prompts: Sequence[BenchPrompt]
 ) -> tuple[dict[str, list[dict[str, Any]]], list[dict[str, Any]], list[dict[str, Any]]]:
-    """Per-prompt records, per-method summaries and mismatches, each method against the first (the reference)."""
-    reference_name = methods[0].name
-    reference = runs[reference_name]
-    reference_rate = _summary([_per_prompt(i, run, None) for i, run in enumerate(reference)], None, None)[
-        "tokens_per_s"
-    ]
+    """Per-prompt records, per-method summaries and mismatches, each method against its baseline (default: the
+    first method, plain greedy; sampled methods in speed only)."""
+    first = methods[0].name
+    rates = {
+        method.name: _summary([_per_prompt(i, run, None) for i, run in enumerate(runs[method.name])], None, None)[
+            "tokens_per_s"
+        ]
+        for method in methods
+    }
     results: dict[str, list[dict[str, Any]]] = {}
     summaries: list[dict[str, Any]] = []
     mismatches: list[dict[str, Any]] = []
     for method in methods:
-        base = None if method.name == reference_name else reference
-        records = [_per_prompt(i, run, base[i] if base else None) for i, run in enumerate(runs[method.name])]
-        if method.name == reference_name:
+        baseline = method.baseline or first
+        base = None if method.name == first else runs[baseline]
+        compare = not method.sampled
+        records = [_per_prompt(i, run, base[i] if base else None, compare) for i, run in enumerate(runs[method.name])]
+        if method.name == first:
             for record in records:
                 record["speedup"] = 1.0
         results[method.name] = records
@@ -308,10 +322,14 @@ def _compare(
                 "label": method.label,
                 "description": method.description,
                 "block_size": method.block_size,
-                "summary": _summary(records, method.block_size, reference_rate),
+                "baseline": baseline,
+                "sampled": method.sampled,
+                "summary": _summary(records, method.block_size, rates[baseline]),
             }
         )
-        mismatches += [_mismatch(method.name, r, reference, prompts) for r in records if not r["matches_greedy"]]
+        mismatches += [
+            _mismatch(method.name, r, runs[baseline], prompts) for r in records if r["matches_greedy"] is False
+        ]
     return results, summaries, mismatches
 
 

@@ -53,6 +53,17 @@ def comma_separated_ints(text: str) -> list[int]:
     return values
 
 
+def comma_separated_floats(text: str) -> list[float]:
+    """`argparse` type of flags such as `--temperatures 0.7,1.0`: at least one number, each > 0."""
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 0.7,1.0, got {text!r}") from err
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive numbers such as 0.7,1.0, got {text!r}")
+    return values
+
+
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:
     """`--threads`, shared by the commands that run models on the CPU."""
     from ..runtime import available_cpus

@@ -20,7 +20,7 @@ from .. import bench
 from ..modeling import DFlashConfig
 from ..runtime import available_cpus
 from ..targets import resolve_drafter_dir
-from . import add_model_arguments, add_threads_argument, comma_separated_ints, load_models
+from . import add_model_arguments, add_threads_argument, comma_separated_floats, comma_separated_ints, load_models
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,6 +49,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Fixed block sizes of our engine; those above the drafter's are left out (default: 4,8,16).",
     )
     parser.add_argument("--no-adaptive", action="store_true", help="Leave out the adaptive block size.")
+    parser.add_argument(
+        "--temperatures",
+        type=comma_separated_floats,
+        default=[],
+        help="Also benchmark sampling at these temperatures: plain sampling and dflash-hf with each draft proposal "
+        "(argmax, sample), compared in speed with plain sampling (e.g. 0.7,1.0; default: none).",
+    )
+    parser.add_argument(
+        "--sampling-block-size", type=int, default=4, help="Block size of the sampling rows (default: 4)."
+    )
     parser.add_argument(
         "--skip",
         default="",
@@ -105,6 +115,9 @@ def _command_line(args: argparse.Namespace, drafter: Path, threads: int | None) 
     ]  # fmt: skip
     if threads is not None:
         argv += ["--threads", str(threads)]
+    if args.temperatures:
+        argv += ["--temperatures", ",".join(f"{t:g}" for t in args.temperatures)]
+        argv += ["--sampling-block-size", str(args.sampling_block_size)]
     argv += [
         flag for flag, on in (("--no-adaptive", args.no_adaptive), ("--no-chat-template", args.no_chat_template)) if on
     ]
@@ -167,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
             f"--skip takes prompt_lookup, native_dflash and/or greedy_engine_kernels, got {sorted(unknown)}."
         )
     methods = [method for method in methods if method.name not in skipped]
+    if args.temperatures:
+        methods += bench.sampling_methods(target, drafter, args.temperatures, args.sampling_block_size)
     result = bench.run_bench(
         target,
         drafter,

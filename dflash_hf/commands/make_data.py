@@ -26,6 +26,13 @@ def register(subparsers) -> None:
     parser.add_argument("--held-out-fraction", type=float, default=0.01, help="Share of conversation ids held out.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the id-hash train/held-out split.")
     parser.add_argument("--no-chat-template", action="store_true", help="Tokenise prompts as plain text.")
+    parser.add_argument(
+        "--responses",
+        choices=("regenerate", "source"),
+        default="regenerate",
+        help="regenerate: the target's greedy answers (default); source: the source's own replies, no generation "
+        "(teacher-forced data for training with --distill_weight > 0).",
+    )
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available).")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16.")
     parser.add_argument("--quiet", action="store_true", help="No progress bar.")
@@ -54,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         held_out_fraction=args.held_out_fraction,
         seed=args.seed,
         use_chat_template=False if args.no_chat_template else None,
+        responses=args.responses,
         progress=not args.quiet,
     )
     print(json.dumps({"out": args.out, **manifest["counts"]}))

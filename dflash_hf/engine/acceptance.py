@@ -10,6 +10,11 @@ from collections.abc import Sequence
 
 import torch
 
+# How draft tokens are proposed when sampling: "argmax" (each slot's most likely token, a point-mass proposal; coherent
+# blocks) or "sample" (each slot sampled from its own marginal). Both are lossless under `rejection_sample`.
+SAMPLING_PROPOSALS = ("argmax", "sample")
+DEFAULT_SAMPLING_PROPOSAL = "argmax"
+
 
 def greedy_accept(draft_tokens: torch.LongTensor, target_tokens: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Longest prefix where the draft equals the target's argmax.

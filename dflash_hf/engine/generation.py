@@ -24,6 +24,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from ..modeling import DFlashDraftModel
+from .acceptance import DEFAULT_SAMPLING_PROPOSAL
 from .block_size import BlockSizePolicy
 from .checks import check_context_length, check_inputs, check_request
 from .generation_call import GenerationCall
@@ -60,6 +61,7 @@ def custom_generate(
     streamer=None,
     drafter: DFlashDraftModel | None = None,
     block_size: int | str | BlockSizePolicy | None = None,
+    sampling_proposal: str = DEFAULT_SAMPLING_PROPOSAL,
     **model_kwargs,
 ) -> DFlashGenerateOutput | torch.LongTensor:
     """DFlash decoding as a Transformers `custom_generate` callable.
@@ -67,6 +69,8 @@ def custom_generate(
     Use `target.generate(**inputs, custom_generate=dflash_hf.custom_generate, drafter=drafter)`; generation-config
     handling, logits processors, stopping criteria and streamers keep their usual meaning. `block_size` may lower
     the drafter's block size for this call, or be `"adaptive"` (see [`AdaptiveBlockSize`]) or a policy object.
+    `sampling_proposal` (with `do_sample=True`): `"argmax"` drafts each slot's most likely token, `"sample"` samples
+    each slot from the drafter's distribution; both keep the output distributed exactly as the target's.
     """
     if drafter is None:
         raise ValueError(
@@ -91,6 +95,7 @@ def custom_generate(
         generation_config=generation_config,
         streamer=streamer,
         block_size=block_size,
+        sampling_proposal=sampling_proposal,
     )
     output = decoder.run()
     return output if generation_config.return_dict_in_generate else output.sequences
@@ -102,6 +107,7 @@ def generate(
     input_ids: torch.LongTensor,
     attention_mask: torch.Tensor | None = None,
     block_size: int | str | BlockSizePolicy | None = None,
+    sampling_proposal: str = DEFAULT_SAMPLING_PROPOSAL,
     **kwargs,
 ) -> DFlashGenerateOutput | torch.LongTensor:
     """Lossless speculative generation with a DFlash drafter.
@@ -110,6 +116,8 @@ def generate(
     `eos_token_id`, `streamer`, `generation_config`, `return_dict_in_generate`, ...). Batches of left-padded prompts
     are supported; every row accepts its own prefix. `block_size`: an int up to the drafter's trained block size,
     `"adaptive"` (chosen every cycle from the measured acceptance profile and costs), or a `BlockSizePolicy`.
+    `sampling_proposal` (with `do_sample=True`): `"argmax"` (default) drafts each slot's most likely token and accepts
+    it with the target's probability of it; `"sample"` samples each slot from the drafter's own distribution.
 
     Returns:
         A `(batch, length)` tensor like `model.generate`, or a [`DFlashGenerateOutput`] (sequences + statistics) with
@@ -131,5 +139,6 @@ def generate(
         custom_generate=custom_generate,
         drafter=drafter,
         block_size=block_size,
+        sampling_proposal=sampling_proposal,
         **kwargs,
     )

@@ -20,7 +20,7 @@ from ..modeling import DFlashDraftModel
 from ..runtime import Stopwatch
 from ..special_tokens import first_token_id
 from . import row_exact
-from .acceptance import greedy_accept, rejection_sample
+from .acceptance import DEFAULT_SAMPLING_PROPOSAL, SAMPLING_PROPOSALS, greedy_accept, rejection_sample
 from .adapters import TargetAdapter
 from .block_size import BlockSizePolicy, make_block_size_policy
 from .cache_ops import select_rows, shift_cache_right, shift_right, truncate_cache
@@ -100,7 +100,13 @@ class GenerationCall:
         generation_config: GenerationConfig,
         streamer,
         block_size: int | str | BlockSizePolicy | None,
+        sampling_proposal: str = DEFAULT_SAMPLING_PROPOSAL,
     ) -> None:
+        if sampling_proposal not in SAMPLING_PROPOSALS:
+            raise ValueError(
+                f"sampling_proposal must be one of {SAMPLING_PROPOSALS}, got {sampling_proposal!r}: 'argmax' drafts "
+                "each slot's most likely token, 'sample' samples each slot from the drafter's distribution."
+            )
         if not isinstance(drafter, DFlashDraftModel) and type(drafter).__name__ != "DFlashDraftModel":
             raise ValueError(f"`drafter` must be a DFlashDraftModel, got {type(drafter).__name__}.")
         self.adapter = TargetAdapter.for_drafter(target, drafter)
@@ -110,6 +116,7 @@ class GenerationCall:
         self.device = input_ids.device
         self.row_exact = _row_exact_verification(target, self.max_block)
         self.do_sample = bool(generation_config.do_sample)
+        self.sample_slots = self.do_sample and sampling_proposal == "sample"
         self.process = BlockLogitsProcessor(logits_processor)
         self.stopping_criteria = stopping_criteria
         self.stop_token_ids = _plain_stop_token_ids(stopping_criteria)
@@ -167,18 +174,30 @@ class GenerationCall:
     def _propose(self, draft_logits: torch.Tensor, rows: list[int]):
         """Draft tokens (and their proposal distributions when sampling) from per-slot drafter logits.
 
-        With a reduced draft vocabulary, greedy drafting maps the argmax back to target ids; otherwise the logits are
-        spread over the full vocabulary (-inf outside the draft vocabulary) so that processors and the rejection
-        sampler see ordinary distributions.
+        When sampling with the `argmax` proposal the drafted tokens are the processed argmax and the proposal
+        distribution is a point mass on them: the rejection sampler then accepts `d` with probability `p(d)` and on
+        rejection samples from `p` with `d` removed, which is exactly the target's distribution.
+        """
+        tokens, probs = self._draft_tokens(draft_logits, rows)
+        if self.do_sample and probs is None:
+            probs = torch.nn.functional.one_hot(tokens, self.adapter.vocab_size).to(torch.float32)
+        return tokens, probs
+
+    def _draft_tokens(self, draft_logits: torch.Tensor, rows: list[int]):
+        """The drafted tokens, and the per-slot distributions they were sampled from (`None` when they are argmaxes).
+
+        With a reduced draft vocabulary, an argmax without processors maps back to target ids directly; otherwise the
+        logits are spread over the full vocabulary (-inf outside the draft vocabulary) so that processors and the
+        rejection sampler see ordinary distributions.
         """
         if self.draft_token_ids is not None:
-            if self.process.is_identity and not self.do_sample:
+            if self.process.is_identity and not self.sample_slots:
                 return self.draft_token_ids[draft_logits.argmax(dim=-1)], None
             full = draft_logits.new_full((*draft_logits.shape[:2], self.adapter.vocab_size), float("-inf"))
             draft_logits = full.index_copy_(-1, self.draft_token_ids, draft_logits)
         if self.process.is_identity or self.process.prefix_free:
             scores = self.process(draft_logits, lambda: [])
-            if not self.do_sample:
+            if not self.sample_slots:
                 return scores.argmax(dim=-1), None
             probs = torch.softmax(scores, dim=-1)
             flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), num_samples=1)
@@ -186,13 +205,13 @@ class GenerationCall:
         # prefix-dependent processors: slot j's scores depend on the tokens drafted before it
         batch, slots, _ = draft_logits.shape
         tokens = torch.empty(batch, slots, dtype=torch.long, device=draft_logits.device)
-        probs = torch.empty_like(draft_logits) if self.do_sample else None
+        probs = torch.empty_like(draft_logits) if self.sample_slots else None
         for i, row in enumerate(rows):
             sequence = self.sequences[row, : self.lengths[row]]
             for slot in range(slots):
                 prefix = torch.cat([sequence, tokens[i, :slot]])
                 scores = self.process.processors(prefix[None], draft_logits[i, slot][None])[0]
-                if self.do_sample:
+                if self.sample_slots:
                     probs[i, slot] = torch.softmax(scores, dim=-1)
                     tokens[i, slot] = torch.multinomial(probs[i, slot], num_samples=1)[0]
                 else:
