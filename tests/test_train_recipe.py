@@ -103,6 +103,59 @@ def test_distillation_pulls_towards_the_targets_distribution(tiny, tmp_path):
     assert abs(soft.item() - total / weight_sum) < 1e-4
 
 
+def test_target_hard_labels_are_the_targets_argmax(tiny, tmp_path):
+    """hard_labels='target': on regenerated data the same labels as the data's; on teacher-forced (here: corrupted)
+    text the target's own argmax one position before each slot, recomputed by hand."""
+    from dflash_hf.trainers.masks import block_attention_mask, build_blocks
+
+    target, tok, data = tiny
+    trainer = DFlashTrainer(
+        args=config(tmp_path / "a", hard_labels="target"), target=target, train_dataset=data, processing_class=tok
+    )
+    batch = full_batch(data)
+    torch.manual_seed(0)
+    anchors = sample_anchors(batch["loss_mask"], batch["attention_mask"].sum(1), 4, 8)
+
+    def losses(batch):
+        with torch.no_grad():
+            trainer.hard_labels = "target"
+            own, _ = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
+            trainer.hard_labels = "data"
+            given, _ = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
+        return own.item(), given.item()
+
+    own, given = losses(batch)
+    assert abs(own - given) < 1e-5  # the data is the target's own greedy text
+    corrupted = dict(batch)
+    generator = torch.Generator().manual_seed(1)
+    noise = torch.randint(4, 64, batch["input_ids"].shape, generator=generator)
+    corrupted["input_ids"] = torch.where(batch["loss_mask"].bool(), noise, batch["input_ids"])
+    own, given = losses(corrupted)
+    assert abs(own - given) > 1e-3
+    blocks = build_blocks(
+        corrupted["input_ids"], batch["loss_mask"], *anchors, 4, trainer.mask_token_id, trainer.loss_decay_gamma
+    )
+    adapter = TargetAdapter(target, trainer.model.config.target_layer_ids)
+    ids = corrupted["input_ids"]
+    with torch.no_grad():
+        context, final = trainer.target_features(ids, batch["attention_mask"])
+        out = trainer.model(
+            noise_embeds=adapter.embed(blocks.block_ids),
+            context_hidden_states=context,
+            position_ids=blocks.position_ids,
+            attention_mask=block_attention_mask(*anchors, ids.shape[1], 4),
+        )
+        hidden = out.last_hidden_state.view(ids.shape[0], anchors[0].shape[1], 4, -1)
+        total, weight_sum = 0.0, 0.0
+        for b, j, k in (blocks.weights > 0).nonzero().tolist():
+            pos = int(anchors[0][b, j]) + k
+            label = adapter.logits(final[b, pos - 1]).argmax()
+            weight = float(blocks.weights[b, j, k])
+            total -= weight * float(adapter.logits(hidden[b, j, k]).log_softmax(-1)[label])
+            weight_sum += weight
+    assert abs(own - total / weight_sum) < 1e-4
+
+
 def test_distillation_training_reaches_lower_teacher_loss(tiny, tmp_path):
     """A few steps with w=1 lower the soft loss (the student moves towards the teacher)."""
     target, tok, data = tiny
@@ -269,6 +322,8 @@ def test_held_out_acceptance_selects_the_best_checkpoint(tiny, tmp_path):
 def test_bad_recipe_values_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="distill_weight"):
         DFlashTrainingConfig(output_dir=str(tmp_path), distill_weight=1.5, use_cpu=True)
+    with pytest.raises(ValueError, match="hard_labels must be one of"):
+        DFlashTrainingConfig(output_dir=str(tmp_path), hard_labels="teacher", use_cpu=True)
     with pytest.raises(ValueError, match="early_stopping_patience"):
         DFlashTrainingConfig(output_dir=str(tmp_path), early_stopping_patience=0, use_cpu=True)
 

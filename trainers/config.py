@@ -17,6 +17,7 @@ from .masks import default_loss_decay_gamma
 
 FEATURE_MODES = ("online", "offline")
 ATTENTION_BACKENDS = ("auto", "flex_attention", "sdpa", "eager")
+HARD_LABELS = ("data", "target")
 
 
 @dataclass
@@ -52,6 +53,11 @@ class DFlashTrainingConfig(TrainingArguments):
             distribution at position `anchor + k - 1` (its final hidden state through the frozen LM head, over the
             draft vocabulary). Needs features cached with final hidden states, or online features. With `w > 0`
             every position of teacher-forced text is useful supervision, not only target-generated responses.
+        hard_labels (`str`, defaults to `"data"`): The hard label of each slot: `"data"` the dataset's next token, or
+            `"target"` the target's own most likely next token there (the argmax of the distillation teacher, over the
+            draft vocabulary), which is what greedy verification accepts. On target-regenerated data the two agree; on
+            teacher-forced data (`make-data --responses source`) only `"target"` teaches the target's choices. Needs
+            the same final hidden states as distillation.
         init_from_target (`bool`, defaults to `False`): Start a new drafter's decoder layers from copies of the
             target's top `num_draft_layers` layers (and its final norm), with `fc` selecting the last tapped layer
             and `hidden_norm` set to the first copied layer's input norm, so the first draft layer starts from the
@@ -100,6 +106,12 @@ class DFlashTrainingConfig(TrainingArguments):
     distill_weight: float = field(
         default=0.0,
         metadata={"help": "Distillation weight w: (1-w) * CE(label) + w * CE(target's next-token distribution)."},
+    )
+    hard_labels: str = field(
+        default="data",
+        metadata={
+            "help": "'data' (the dataset's next token) or 'target' (the target's argmax: for teacher-forced data)."
+        },
     )
     init_from_target: bool = field(
         default=False, metadata={"help": "Initialise a new drafter's layers from the target's top layers."}
@@ -154,6 +166,11 @@ class DFlashTrainingConfig(TrainingArguments):
             self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         if not 0.0 <= float(self.distill_weight) <= 1.0:
             raise ValueError(f"distill_weight must be in [0, 1], got {self.distill_weight}.")
+        if self.hard_labels not in HARD_LABELS:
+            raise ValueError(
+                f"hard_labels must be one of {HARD_LABELS}, got {self.hard_labels!r}: 'data' trains on the dataset's "
+                "next token, 'target' on the target's own most likely token."
+            )
         if self.max_train_samples is not None and int(self.max_train_samples) < 1:
             raise ValueError(f"max_train_samples must be >= 1, got {self.max_train_samples}.")
         if self.early_stopping_patience is not None and int(self.early_stopping_patience) < 1:

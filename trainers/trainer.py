@@ -122,7 +122,7 @@ def _training_dataset(train_dataset, args: DFlashTrainingConfig, model: DFlashDr
 
         if not isinstance(train_dataset, OfflineFeatureDataset):
             train_dataset = OfflineFeatureDataset(train_dataset, args.features_dir, model.config.target_layer_ids)
-        if float(args.distill_weight) > 0 and not train_dataset.has_final_hidden:
+        if (float(args.distill_weight) > 0 or args.hard_labels == "target") and not train_dataset.has_final_hidden:
             raise ValueError(
                 f"distill_weight={args.distill_weight} needs the target's final hidden states, but the features in "
                 f"{args.features_dir} were cached without them: recache with `dflash-hf cache-features` (without "
@@ -190,6 +190,7 @@ class DFlashTrainer(PickleFreeCheckpoints):
         self.loss_decay_gamma = float(args.loss_decay_gamma)
         self.num_anchors = int(args.num_anchors)
         self.distill_weight = float(args.distill_weight)
+        self.hard_labels = args.hard_labels
         draft_ids = model.draft_token_ids
         self.draft_token_ids = None if draft_ids is None else draft_ids.detach().clone()
         if self.draft_token_ids is not None:  # target id -> draft id, -100 (ignored) outside the draft vocabulary
@@ -294,10 +295,11 @@ class DFlashTrainer(PickleFreeCheckpoints):
             context = inputs["target_hidden"]
         else:
             context, teacher = self.target_features(input_ids, attention_mask)
-        if self.distill_weight > 0 and teacher is None:
+        uses_teacher = self.distill_weight > 0 or self.hard_labels == "target"
+        if uses_teacher and teacher is None:
             raise ValueError(
-                "distill_weight > 0 needs the target's final hidden states (`target_final_hidden`): cache features "
-                "with final hidden states or use features='online'."
+                "distill_weight > 0 and hard_labels='target' need the target's final hidden states "
+                "(`target_final_hidden`): cache features with final hidden states or use features='online'."
             )
         batch, seq = input_ids.shape
         block = self.block_size
@@ -337,30 +339,28 @@ class DFlashTrainer(PickleFreeCheckpoints):
             self.target_to_draft = self.target_to_draft.to(labels.device)
             logits = self.adapter.logits(hidden[selected], self.draft_token_ids)
             labels = self.target_to_draft[labels]
+        if uses_teacher:
+            target_probs = self._teacher_probs(teacher, blocks.position_ids[:, seq:].view(batch, num, block), selected)
+            if self.hard_labels == "target":
+                labels = target_probs.argmax(dim=-1)
         ce = F.cross_entropy(logits, labels, reduction="none", ignore_index=-100)
         if self.distill_weight > 0:
-            soft = self._distillation_ce(
-                logits, teacher, blocks.position_ids[:, seq:].view(batch, num, block), selected
-            )
+            soft = -(target_probs * logits.float().log_softmax(dim=-1)).sum(dim=-1)
             ce = (1.0 - self.distill_weight) * ce + self.distill_weight * soft
         loss = (ce * weights).sum() / weights.sum()
         correct = torch.zeros_like(selected)
         correct[selected] = logits.argmax(dim=-1) == labels
         return loss, {"correct": correct, "selected": selected, "anchor_valid": anchor_valid}
 
-    def _distillation_ce(
-        self, logits: torch.Tensor, teacher: torch.Tensor, positions: torch.Tensor, selected: torch.Tensor
-    ) -> torch.Tensor:
-        """Cross-entropy of the draft logits of each labelled slot against the target's own next-token distribution
-        for that position: the target's final hidden state one position earlier, through the frozen LM head (over the
-        draft vocabulary, renormalised there)."""
+    def _teacher_probs(self, teacher: torch.Tensor, positions: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+        """The target's own next-token distribution for each labelled slot (the distillation teacher): its final hidden
+        state one position earlier, through the frozen LM head (over the draft vocabulary, renormalised there)."""
         source = (positions - 1).clamp_min(0)[selected]  # slot at position p is predicted from the target at p - 1
         rows = selected.nonzero()[:, 0]
         with torch.no_grad():
             hidden = teacher[rows, source].to(self.adapter.lm_head.weight.dtype)
             draft_ids = None if self.draft_token_ids is None else self.draft_token_ids.to(hidden.device)
-            target_probs = self.adapter.logits(hidden, draft_ids).softmax(dim=-1)
-        return -(target_probs * logits.float().log_softmax(dim=-1)).sum(dim=-1)
+            return self.adapter.logits(hidden, draft_ids).float().softmax(dim=-1)
 
     def _accumulate(self, mode: str, stats: dict[str, torch.Tensor]) -> None:
         sums = self._metric_sums[mode]

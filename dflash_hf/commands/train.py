@@ -212,6 +212,7 @@ def _training_facts(trainer, config, result, last: dict, wall: float, data: str)
         * trainer.args.world_size,
         "features": config.features,
         "distill_weight": config.distill_weight,
+        "hard_labels": config.hard_labels,
         "init_from_target": config.init_from_target,
         "optimizer": "muon+adamw" if config.muon else "adamw",
         "precision": "bf16 autocast" if config.bf16 else ("fp16 autocast" if config.fp16 else "fp32"),
