@@ -18,6 +18,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
 
 from ..data.prompts import encode_prompt
+from ..engine.acceptance import DEFAULT_SAMPLING_PROPOSAL, SAMPLING_PROPOSALS
 from ..engine.checks import check_context_length
 from ..engine.generation import generate
 from ..modeling import DFlashConfig
@@ -50,6 +51,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--top-p", type=float, default=None, help="Nucleus sampling mass (implies sampling).")
     parser.add_argument("--top-k", type=int, default=None, help="Top-k sampling (implies sampling).")
+    parser.add_argument(
+        "--sampling-proposal",
+        choices=SAMPLING_PROPOSALS,
+        default=DEFAULT_SAMPLING_PROPOSAL,
+        help="When sampling: draft each slot's most likely token (argmax, default) or sample it (sample).",
+    )
     parser.add_argument(
         "--compare",
         action="store_true",
@@ -135,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             streamer=streamer,
             return_dict_in_generate=True,
+            sampling_proposal=args.sampling_proposal,
             **common,
         ),
     )
