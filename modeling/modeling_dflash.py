@@ -14,7 +14,8 @@ The drafter has no embedding and no LM head: callers embed `[anchor, MASK, ...]`
 and project `last_hidden_state` with the target's LM head.
 
 This file ships inside every Hub checkpoint as remote code: it imports only torch, transformers and
-`configuration_dflash` (relatively).
+`configuration_dflash` (relatively). It is one file on purpose, as Transformers' own modeling files are: a Hub
+checkpoint's reader sees the whole model in one place, which is why it runs past the project's ~400-line module size.
 """
 
 from __future__ import annotations

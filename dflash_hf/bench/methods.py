@@ -242,6 +242,16 @@ def default_methods(
             f"None of the block sizes {list(block_sizes)} fits the drafter's trained block size {trained}: pass block "
             f"sizes <= {trained}."
         )
+    return _transformers_methods(target, drafter, prompt_lookup_num_tokens) + _engine_methods(
+        target, drafter, sizes, adaptive
+    )
+
+
+def _transformers_methods(
+    target: PreTrainedModel, drafter: DFlashDraftModel, prompt_lookup_num_tokens: int
+) -> list[BenchMethod]:
+    """Plain greedy (also with the engine's kernels where it uses any), prompt lookup and Transformers' DFlash."""
+    trained = int(drafter.config.block_size)
     methods = [
         BenchMethod("greedy", "plain greedy", _transformers_runner(target), "target.generate(do_sample=False)"),
     ]
@@ -269,7 +279,15 @@ def default_methods(
             block_size=trained,
         ),
     ]
-    methods += [
+    return methods
+
+
+def _engine_methods(
+    target: PreTrainedModel, drafter: DFlashDraftModel, sizes: list[int], adaptive: bool
+) -> list[BenchMethod]:
+    """Our engine at each fixed block size, then with the adaptive policy."""
+    trained = int(drafter.config.block_size)
+    methods = [
         BenchMethod(
             f"dflash_b{size}",
             f"dflash-hf B={size}",

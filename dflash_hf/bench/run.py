@@ -206,19 +206,7 @@ def run_bench(
     runs = _decode_all(methods, inputs, max_new_tokens, progress)
     results, summaries, mismatches = _compare(methods, runs, prompts)
     _print_mismatches(mismatches)
-    recorded = {
-        "max_new_tokens": max_new_tokens,
-        "warmup_tokens": warmup_tokens,
-        "decoding": "greedy",
-        "batch_size": 1,
-        "dtype": str(target.dtype).replace("torch.", ""),
-        "target_model_type": getattr(target.config, "model_type", None),
-        "drafter_block_size": int(drafter.config.block_size),
-        "drafter_layers": int(drafter.config.num_hidden_layers),
-        "target_layer_ids": list(drafter.config.target_layer_ids),
-        "num_prompts": len(prompts),
-        "methods": [m.name for m in methods],
-    }
+    recorded = _recorded_settings(target, drafter, len(prompts), methods, max_new_tokens, warmup_tokens)
     recorded.update(settings or {})
     return BenchResult(
         settings=recorded,
@@ -230,6 +218,30 @@ def run_bench(
         mismatches=mismatches,
         cost_profile=costs,
     )
+
+
+def _recorded_settings(
+    target: PreTrainedModel,
+    drafter: DFlashDraftModel,
+    num_prompts: int,
+    methods: list[BenchMethod],
+    max_new_tokens: int,
+    warmup_tokens: int,
+) -> dict[str, Any]:
+    """The settings a bench result records about its run, models and methods."""
+    return {
+        "max_new_tokens": max_new_tokens,
+        "warmup_tokens": warmup_tokens,
+        "decoding": "greedy",
+        "batch_size": 1,
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "target_model_type": getattr(target.config, "model_type", None),
+        "drafter_block_size": int(drafter.config.block_size),
+        "drafter_layers": int(drafter.config.num_hidden_layers),
+        "target_layer_ids": list(drafter.config.target_layer_ids),
+        "num_prompts": num_prompts,
+        "methods": [m.name for m in methods],
+    }
 
 
 def _print_mismatches(mismatches: list[dict[str, Any]]) -> None:

@@ -206,6 +206,17 @@ def _write_parts(
     return generated
 
 
+def _responder(
+    target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, responses: str, max_new_tokens: int
+) -> Callable[[list[tuple[Prompt, list[int]]]], list[list[int]]]:
+    """The response tokens of a batch of `(prompt, prompt ids)`: the target's greedy answers, or the source's replies."""
+    if responses == "source":
+        eos = token_ids(target.generation_config.eos_token_id, getattr(tokenizer, "eos_token_id", None))
+        end_id = eos[0] if eos else None
+        return lambda chunk: [source_response(tokenizer, p.reply, end_id, max_new_tokens) for p, _ in chunk]
+    return lambda chunk: regenerate(target, tokenizer, [ids for _, ids in chunk], max_new_tokens)
+
+
 def make_data(
     target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -260,18 +271,8 @@ def make_data(
     skipped = {"long": 0, "no_reply": 0}
     goal = len(train) if max_samples is None else min(max_samples, len(train))
     encoded = _encoded(train, done_ids, tokenizer, use_chat_template, max_prompt_tokens, skipped, responses == "source")
-    if responses == "source":
-        eos = token_ids(target.generation_config.eos_token_id, getattr(tokenizer, "eos_token_id", None))
-        end_id = eos[0] if eos else None
-
-        def respond(chunk):
-            return [source_response(tokenizer, p.reply, end_id, max_new_tokens) for p, _ in chunk]
-    else:
-
-        def respond(chunk):
-            return regenerate(target, tokenizer, [ids for _, ids in chunk], max_new_tokens)
-
     started = time.time()
+    respond = _responder(target, tokenizer, responses, max_new_tokens)
     generated = _write_parts(respond, out / "parts", encoded, done, goal, batch_size, progress)
 
     write_dataset(out, done)
