@@ -3,6 +3,7 @@ caught loudly, and the JSON, Markdown and plots are written. Timings are never c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -45,54 +46,54 @@ def result(setup):
     return bench.run_bench(target, drafter, prompts, max_new_tokens=MAX_NEW, warmup_tokens=2, progress=False)
 
 
-def _method(result: bench.BenchResult, name: str) -> dict:
-    return next(m for m in result.methods if m["name"] == name)
+def _method(result: bench.BenchResult, name: str) -> bench.MethodResult:
+    return result.method(name)
 
 
 def test_every_method_runs_and_is_exact(result):
-    names = [m["name"] for m in result.methods]
+    names = [m.name for m in result.methods]
     # block 16 exceeds the drafter's trained block size 8: left out
     # a float32 target on CPU: plain greedy with the engine's kernels (prepacked LM head) is a second baseline
     assert names == [
         "greedy", "greedy_engine_kernels", "prompt_lookup", "native_dflash", *ENGINE_BLOCKS, "dflash_adaptive"
     ]  # fmt: skip
     for method in result.methods:
-        assert method["summary"]["exact"] and method["summary"]["mismatched_prompts"] == []
-        assert len(result.results[method["name"]]) == len(PROMPTS)
+        assert method.summary.exact and method.summary.mismatched_prompts == []
+        assert len(result.results[method.name]) == len(PROMPTS)
     assert result.exact and result.mismatches == []
-    greedy = _method(result, "greedy")["summary"]
-    assert greedy["tau"] == 1.0 and greedy["speedup"] == 1.0 and greedy["draft_ms_per_cycle"] is None
+    greedy = _method(result, "greedy").summary
+    assert greedy.tau == 1.0 and greedy.speedup == 1.0 and greedy.draft_ms_per_cycle is None
 
 
 def test_tau_and_cycles_account_for_every_token(result):
     for name, records in result.results.items():
         for record in records:
             # the prefill commits the first token (prompt lookup may accept prompt candidates in it too)
-            committed_after_prefill = sum(record["accepted_lengths"])
+            committed_after_prefill = sum(record.accepted_lengths)
             if name != "prompt_lookup":
-                assert committed_after_prefill == record["new_tokens"] - 1, name
-            assert record["cycles"] == len(record["accepted_lengths"])
+                assert committed_after_prefill == record.new_tokens - 1, name
+            assert record.cycles == len(record.accepted_lengths)
             if name.startswith("dflash_"):  # our engine reports the block size of every cycle
-                assert len(record["block_sizes"]) == record["cycles"]
-                assert all(n <= k for n, k in zip(record["accepted_lengths"], record["block_sizes"]))
+                assert len(record.block_sizes) == record.cycles
+                assert all(n <= k for n, k in zip(record.accepted_lengths, record.block_sizes))
             else:
-                assert record["block_sizes"] is None
-            assert record["output_ids"] == result.results["greedy"][record["prompt"]]["output_ids"]
+                assert record.block_sizes is None
+            assert record.output_ids == result.results["greedy"][record.prompt].output_ids
 
 
 def test_native_path_lengths_match_our_engine(result):
     """The hook-derived per-cycle lengths of the native path equal our engine's own at the same block size."""
-    native = [r["accepted_lengths"] for r in result.results["native_dflash"]]
-    ours = [r["accepted_lengths"] for r in result.results["dflash_b8"]]
+    native = [r.accepted_lengths for r in result.results["native_dflash"]]
+    ours = [r.accepted_lengths for r in result.results["dflash_b8"]]
     assert native == ours
     assert max(n for row in ours for n in row) == 8  # the oracle fills whole blocks
-    summary = _method(result, "dflash_b8")["summary"]
-    assert len(summary["acceptance_rate_by_slot"]) == 7
-    assert sum(summary["accepted_length_histogram"].values()) == summary["cycles"]
-    assert summary["draft_ms_per_cycle"] is not None and summary["verify_ms_per_cycle"] is not None
-    assert _method(result, "native_dflash")["summary"]["draft_ms_per_cycle"] is not None
-    adaptive = _method(result, "dflash_adaptive")["summary"]
-    assert 2 <= adaptive["mean_block_size"] <= 8 and len(adaptive["acceptance_rate_by_slot"]) == 7
+    summary = _method(result, "dflash_b8").summary
+    assert len(summary.acceptance_rate_by_slot) == 7
+    assert sum(summary.accepted_length_histogram.values()) == summary.cycles
+    assert summary.draft_ms_per_cycle is not None and summary.verify_ms_per_cycle is not None
+    assert _method(result, "native_dflash").summary.draft_ms_per_cycle is not None
+    adaptive = _method(result, "dflash_adaptive").summary
+    assert 2 <= adaptive.mean_block_size <= 8 and len(adaptive.acceptance_rate_by_slot) == 7
 
 
 def test_tampered_output_is_reported(setup, capsys):
@@ -114,20 +115,20 @@ def test_tampered_output_is_reported(setup, capsys):
     )
     assert not result.exact
     [mismatch] = result.mismatches
-    assert (mismatch["method"], mismatch["prompt"], mismatch["prompt_id"], mismatch["position"]) == (
+    assert (mismatch.method, mismatch.prompt, mismatch.prompt_id, mismatch.position) == (
         "tampered",
         1,
         "p1",
         3,
     )
-    assert mismatch["got"] == (mismatch["expected"] + 1) % 64
-    summary = _method(result, "tampered")["summary"]
-    assert not summary["exact"] and summary["mismatched_prompts"] == [1]
-    assert [r["matches_greedy"] for r in result.results["tampered"]] == [True, False]
+    assert mismatch.got == (mismatch.expected + 1) % 64
+    summary = _method(result, "tampered").summary
+    assert not summary.exact and summary.mismatched_prompts == [1]
+    assert [r.matches_greedy for r in result.results["tampered"]] == [True, False]
     assert "MISMATCH: tampered differs from greedy on prompt 1 ('p1') at new token 3" in capsys.readouterr().err
     assert "**NO** (prompts 1)" in bench.markdown_table(result)
     document = result.to_json()
-    assert document["exact"] is False and document["mismatches"] == [mismatch]
+    assert document["exact"] is False and document["mismatches"] == [dataclasses.asdict(mismatch)]
     assert "Warning: 1 output(s) differ" in bench.render_markdown(document)
 
 
@@ -146,19 +147,19 @@ def test_sampling_rows_compare_with_plain_sampling_in_speed_only(setup, tmp_path
         target, drafter, prompts, max_new_tokens=MAX_NEW, methods=methods, warmup_tokens=0, progress=False
     )
     assert result.exact and result.mismatches == []
-    plain = {m["name"]: m["summary"]["tokens_per_s"] for m in result.methods}
+    plain = {m.name: m.summary.tokens_per_s for m in result.methods}
     for method in result.methods[1:]:
-        summary = method["summary"]
-        assert method["sampled"] and summary["exact"] is None
-        assert all(r["matches_greedy"] is None for r in result.results[method["name"]])
-        if method["name"].startswith("dflash"):
-            temperature = method["name"].split("_")[2][1:]
-            assert method["baseline"] == f"sample_t{temperature}"
-            assert summary["speedup"] == pytest.approx(summary["tokens_per_s"] / plain[method["baseline"]])
-            assert all(1 <= n <= 4 for r in result.results[method["name"]] for n in r["accepted_lengths"])
+        summary = method.summary
+        assert method.sampled and summary.exact is None
+        assert all(r.matches_greedy is None for r in result.results[method.name])
+        if method.name.startswith("dflash"):
+            temperature = method.name.split("_")[2][1:]
+            assert method.baseline == f"sample_t{temperature}"
+            assert summary.speedup == pytest.approx(summary.tokens_per_s / plain[method.baseline])
+            assert all(1 <= n <= 4 for r in result.results[method.name] for n in r.accepted_lengths)
     # seeded: the same method samples the same tokens again
     again = methods[2].run(torch.tensor([PROMPTS[0]]), MAX_NEW).new_tokens
-    assert again == result.results["dflash_b4_t0.7_argmax"][0]["output_ids"]
+    assert again == result.results["dflash_b4_t0.7_argmax"][0].output_ids
     assert "n/a (sampled)" in bench.markdown_table(result)
     bench.write_outputs(result, tmp_path / "out")
     with pytest.raises(ValueError, match="temperatures must be > 0"):

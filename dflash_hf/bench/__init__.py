@@ -15,7 +15,16 @@
 from ..data.prompts import PROMPT_SETS, BenchPrompt, load_bench_prompts
 from .methods import DEFAULT_BLOCK_SIZES, BenchMethod, MethodRun, default_methods, sampling_methods
 from .report import JSON_NAME, MARKDOWN_NAME, PLOT_NAMES, markdown_table, render_markdown, write_outputs, write_plots
-from .run import BENCH_FORMAT, BenchResult, hardware_info, run_bench
+from .run import (
+    BENCH_FORMAT,
+    BenchResult,
+    MethodResult,
+    MethodSummary,
+    Mismatch,
+    PromptResult,
+    hardware_info,
+    run_bench,
+)
 
 __all__ = [
     "BENCH_FORMAT",
@@ -27,6 +36,10 @@ __all__ = [
     "BenchMethod",
     "BenchPrompt",
     "BenchResult",
+    "MethodResult",
+    "MethodSummary",
+    "Mismatch",
+    "PromptResult",
     "MethodRun",
     "default_methods",
     "sampling_methods",

@@ -6,6 +6,7 @@ The result ([`BenchResult`]) holds per-prompt records and per-method summaries; 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib.metadata
 import platform
@@ -30,6 +31,75 @@ BENCH_FORMAT = "dflash-hf-bench/1"
 
 
 @dataclass
+class PromptResult:
+    """What one method did on one prompt (times in seconds; `matches_greedy` is `None` for sampled outputs)."""
+
+    prompt: int
+    new_tokens: int
+    seconds: float
+    tokens_per_s: float | None
+    speedup: float | None
+    tau: float | None
+    cycles: int
+    accepted_lengths: list[int]
+    block_sizes: list[int] | None
+    draft_s: float | None
+    verify_s: float | None
+    prefill_s: float | None
+    matches_greedy: bool | None
+    first_mismatch: int | None
+    output_ids: list[int]
+
+
+@dataclass
+class MethodSummary:
+    """One method over all prompts (`exact` is `None` for sampled methods, which are compared in speed only)."""
+
+    prompts: int
+    new_tokens: int
+    seconds: float
+    tokens_per_s: float | None
+    speedup: float | None
+    tau: float | None
+    cycles: int
+    draft_ms_per_cycle: float | None
+    verify_ms_per_cycle: float | None
+    prefill_ms_per_prompt: float | None
+    accepted_length_histogram: dict[str, int]
+    mean_block_size: float | None
+    acceptance_rate_by_slot: list[float]
+    exact: bool | None
+    mismatched_prompts: list[int]
+
+
+@dataclass
+class MethodResult:
+    """A method's identity in the results and its summary."""
+
+    name: str
+    label: str
+    description: str
+    block_size: int | None
+    baseline: str
+    sampled: bool
+    summary: MethodSummary
+
+
+@dataclass
+class Mismatch:
+    """Where a method's output first differs from its baseline's on one prompt."""
+
+    method: str
+    prompt: int
+    prompt_id: str
+    position: int
+    expected: int | None
+    got: int | None
+    expected_length: int
+    got_length: int
+
+
+@dataclass
 class BenchResult:
     """Everything a bench run measured; `to_json()` is the content of `bench.json`."""
 
@@ -37,11 +107,18 @@ class BenchResult:
     hardware: dict[str, Any]
     date: str
     prompts: list[dict[str, Any]]
-    methods: list[dict[str, Any]]
-    results: dict[str, list[dict[str, Any]]]
-    mismatches: list[dict[str, Any]] = field(default_factory=list)
+    methods: list[MethodResult]
+    results: dict[str, list[PromptResult]]
+    mismatches: list[Mismatch] = field(default_factory=list)
     command: str | None = None
     cost_profile: dict[str, Any] | None = None
+
+    def method(self, name: str) -> MethodResult:
+        """The result of the method called `name`."""
+        for method in self.methods:
+            if method.name == name:
+                return method
+        raise KeyError(f"No method {name!r} in this result (methods: {[m.name for m in self.methods]}).")
 
     @property
     def exact(self) -> bool:
@@ -57,10 +134,10 @@ class BenchResult:
             "settings": self.settings,
             "hardware": self.hardware,
             "exact": self.exact,
-            "mismatches": self.mismatches,
-            "methods": self.methods,
+            "mismatches": [dataclasses.asdict(m) for m in self.mismatches],
+            "methods": [dataclasses.asdict(m) for m in self.methods],
             "prompts": self.prompts,
-            "results": self.results,
+            "results": {name: [dataclasses.asdict(r) for r in records] for name, records in self.results.items()},
             "cost_profile": self.cost_profile,
         }
 
@@ -92,78 +169,74 @@ def _first_mismatch(expected: list[int], got: list[int]) -> int | None:
     return None if len(expected) == len(got) else min(len(expected), len(got))
 
 
-def _per_prompt(index: int, run: MethodRun, reference: MethodRun | None, compare_tokens: bool = True) -> dict[str, Any]:
+def _per_prompt(index: int, run: MethodRun, reference: MethodRun | None, compare_tokens: bool = True) -> PromptResult:
     """One method's record on one prompt; speedup against `reference`'s run and, with `compare_tokens`, where its
     output first differs from it (`matches_greedy` is `None` for sampled runs, which are not compared)."""
     cycles = len(run.accepted_lengths)
-    record = {
-        "prompt": index,
-        "new_tokens": len(run.new_tokens),
-        "seconds": run.seconds,
-        "tokens_per_s": len(run.new_tokens) / run.seconds if run.seconds > 0 else None,
-        "speedup": None,
-        "tau": sum(run.accepted_lengths) / cycles if cycles else None,
-        "cycles": cycles,
-        "accepted_lengths": run.accepted_lengths,
-        "block_sizes": run.block_sizes,
-        "draft_s": run.draft_time,
-        "verify_s": run.verify_time,
-        "prefill_s": run.prefill_time,
-        "matches_greedy": True if compare_tokens else None,
-        "first_mismatch": None,
-        "output_ids": run.new_tokens,
-    }
+    speedup, matches, position = None, (True if compare_tokens else None), None
     if reference is not None:
         if run.seconds > 0 and reference.seconds > 0 and reference.new_tokens:
-            record["speedup"] = (len(run.new_tokens) / run.seconds) / (len(reference.new_tokens) / reference.seconds)
+            speedup = (len(run.new_tokens) / run.seconds) / (len(reference.new_tokens) / reference.seconds)
         if compare_tokens:
             position = _first_mismatch(reference.new_tokens, run.new_tokens)
-            record["matches_greedy"] = position is None
-            record["first_mismatch"] = position
-    return record
+            matches = position is None
+    return PromptResult(
+        prompt=index,
+        new_tokens=len(run.new_tokens),
+        seconds=run.seconds,
+        tokens_per_s=len(run.new_tokens) / run.seconds if run.seconds > 0 else None,
+        speedup=speedup,
+        tau=sum(run.accepted_lengths) / cycles if cycles else None,
+        cycles=cycles,
+        accepted_lengths=run.accepted_lengths,
+        block_sizes=run.block_sizes,
+        draft_s=run.draft_time,
+        verify_s=run.verify_time,
+        prefill_s=run.prefill_time,
+        matches_greedy=matches,
+        first_mismatch=position,
+        output_ids=run.new_tokens,
+    )
 
 
-def _summary(records: list[dict[str, Any]], block_size: int | None, reference_rate: float | None) -> dict[str, Any]:
-    tokens = sum(r["new_tokens"] for r in records)
-    seconds = sum(r["seconds"] for r in records)
-    lengths = [n for r in records for n in r["accepted_lengths"]]
+def _summary(records: list[PromptResult], block_size: int | None, reference_rate: float | None) -> MethodSummary:
+    """One method's records summed up; speedup against `reference_rate` (tokens/s of its baseline)."""
+    tokens = sum(r.new_tokens for r in records)
+    seconds = sum(r.seconds for r in records)
+    lengths = [n for r in records for n in r.accepted_lengths]
     cycles = len(lengths)
     rate = tokens / seconds if seconds > 0 else None
 
-    def per_cycle_ms(key: str) -> float | None:
-        values = [r[key] for r in records]
+    def per_cycle_ms(values: list[float | None]) -> float | None:
         if not cycles or any(v is None for v in values):
             return None
         return 1000.0 * sum(values) / cycles
 
-    known = all(r["block_sizes"] is not None for r in records)
-    sizes = [k for r in records for k in r["block_sizes"]] if known else None
+    known = all(r.block_sizes is not None for r in records)
+    sizes = [k for r in records for k in r.block_sizes] if known else None
     slots = block_size if block_size is not None else max(lengths, default=0)
-
-    histogram = {str(n): lengths.count(n) for n in range(1, max(lengths, default=0) + 1)}
-    mismatched = [r["prompt"] for r in records if r["matches_greedy"] is False]
-    compared = all(r["matches_greedy"] is not None for r in records)
-    return {
-        "prompts": len(records),
-        "new_tokens": tokens,
-        "seconds": seconds,
-        "tokens_per_s": rate,
-        "speedup": rate / reference_rate if rate is not None and reference_rate else None,
-        "tau": sum(lengths) / cycles if cycles else None,
-        "cycles": cycles,
-        "draft_ms_per_cycle": per_cycle_ms("draft_s"),
-        "verify_ms_per_cycle": per_cycle_ms("verify_s"),
-        "prefill_ms_per_prompt": (
-            1000.0 * sum(r["prefill_s"] for r in records) / len(records)
-            if records and all(r["prefill_s"] is not None for r in records)
-            else None
+    mismatched = [r.prompt for r in records if r.matches_greedy is False]
+    compared = all(r.matches_greedy is not None for r in records)
+    prefills = [r.prefill_s for r in records]
+    return MethodSummary(
+        prompts=len(records),
+        new_tokens=tokens,
+        seconds=seconds,
+        tokens_per_s=rate,
+        speedup=rate / reference_rate if rate is not None and reference_rate else None,
+        tau=sum(lengths) / cycles if cycles else None,
+        cycles=cycles,
+        draft_ms_per_cycle=per_cycle_ms([r.draft_s for r in records]),
+        verify_ms_per_cycle=per_cycle_ms([r.verify_s for r in records]),
+        prefill_ms_per_prompt=(
+            1000.0 * sum(prefills) / len(records) if records and all(p is not None for p in prefills) else None
         ),
-        "accepted_length_histogram": histogram,
-        "mean_block_size": sum(sizes) / len(sizes) if sizes else block_size,
-        "acceptance_rate_by_slot": acceptance_rate_by_slot(lengths, sizes, slots) if cycles else [],
-        "exact": not mismatched if compared else None,
-        "mismatched_prompts": mismatched,
-    }
+        accepted_length_histogram={str(n): lengths.count(n) for n in range(1, max(lengths, default=0) + 1)},
+        mean_block_size=sum(sizes) / len(sizes) if sizes else block_size,
+        acceptance_rate_by_slot=acceptance_rate_by_slot(lengths, sizes, slots) if cycles else [],
+        exact=not mismatched if compared else None,
+        mismatched_prompts=mismatched,
+    )
 
 
 def run_bench(
@@ -244,13 +317,13 @@ def _recorded_settings(
     }
 
 
-def _print_mismatches(mismatches: list[dict[str, Any]]) -> None:
+def _print_mismatches(mismatches: list[Mismatch]) -> None:
     """One `MISMATCH:` line on stderr per output that differs from greedy."""
     for mismatch in mismatches:
         print(
-            f"MISMATCH: {mismatch['method']} differs from greedy on prompt {mismatch['prompt']} "
-            f"({mismatch['prompt_id']!r}) at new token {mismatch['position']}: expected {mismatch['expected']}, "
-            f"got {mismatch['got']} (lengths {mismatch['expected_length']} vs {mismatch['got_length']})",
+            f"MISMATCH: {mismatch.method} differs from greedy on prompt {mismatch.prompt} "
+            f"({mismatch.prompt_id!r}) at new token {mismatch.position}: expected {mismatch.expected}, "
+            f"got {mismatch.got} (lengths {mismatch.expected_length} vs {mismatch.got_length})",
             file=sys.stderr,
             flush=True,
         )
@@ -306,59 +379,52 @@ def _decode_all(
 
 def _compare(
     methods: list[BenchMethod], runs: dict[str, list[MethodRun]], prompts: Sequence[BenchPrompt]
-) -> tuple[dict[str, list[dict[str, Any]]], list[dict[str, Any]], list[dict[str, Any]]]:
-    """Per-prompt records, per-method summaries and mismatches, each method against its baseline (default: the
+) -> tuple[dict[str, list[PromptResult]], list[MethodResult], list[Mismatch]]:
+    """Per-prompt records, per-method results and mismatches, each method against its baseline (default: the
     first method, plain greedy; sampled methods in speed only)."""
     first = methods[0].name
     rates = {
-        method.name: _summary([_per_prompt(i, run, None) for i, run in enumerate(runs[method.name])], None, None)[
-            "tokens_per_s"
-        ]
-        for method in methods
+        m.name: _summary([_per_prompt(i, run, None) for i, run in enumerate(runs[m.name])], None, None).tokens_per_s
+        for m in methods
     }
-    results: dict[str, list[dict[str, Any]]] = {}
-    summaries: list[dict[str, Any]] = []
-    mismatches: list[dict[str, Any]] = []
+    results: dict[str, list[PromptResult]] = {}
+    summaries: list[MethodResult] = []
+    mismatches: list[Mismatch] = []
     for method in methods:
         baseline = method.baseline or first
         base = None if method.name == first else runs[baseline]
-        compare = not method.sampled
-        records = [_per_prompt(i, run, base[i] if base else None, compare) for i, run in enumerate(runs[method.name])]
+        records = [
+            _per_prompt(i, run, base[i] if base else None, not method.sampled)
+            for i, run in enumerate(runs[method.name])
+        ]
         if method.name == first:
             for record in records:
-                record["speedup"] = 1.0
+                record.speedup = 1.0
         results[method.name] = records
+        summary = _summary(records, method.block_size, rates[baseline])
         summaries.append(
-            {
-                "name": method.name,
-                "label": method.label,
-                "description": method.description,
-                "block_size": method.block_size,
-                "baseline": baseline,
-                "sampled": method.sampled,
-                "summary": _summary(records, method.block_size, rates[baseline]),
-            }
+            MethodResult(
+                method.name, method.label, method.description, method.block_size, baseline, method.sampled, summary
+            )
         )
-        mismatches += [
-            _mismatch(method.name, r, runs[baseline], prompts) for r in records if r["matches_greedy"] is False
-        ]
+        mismatches += [_mismatch(method.name, r, runs[baseline], prompts) for r in records if r.matches_greedy is False]
     return results, summaries, mismatches
 
 
 def _mismatch(
-    method: str, record: dict[str, Any], reference: list[MethodRun], prompts: Sequence[BenchPrompt]
-) -> dict[str, Any]:
+    method: str, record: PromptResult, reference: list[MethodRun], prompts: Sequence[BenchPrompt]
+) -> Mismatch:
     """Where a method's output first differs from the reference's on one prompt."""
-    position = record["first_mismatch"]
-    expected = reference[record["prompt"]].new_tokens
-    got = record["output_ids"]
-    return {
-        "method": method,
-        "prompt": record["prompt"],
-        "prompt_id": prompts[record["prompt"]].id,
-        "position": position,
-        "expected": expected[position] if position < len(expected) else None,
-        "got": got[position] if position < len(got) else None,
-        "expected_length": len(expected),
-        "got_length": len(got),
-    }
+    position = record.first_mismatch
+    expected = reference[record.prompt].new_tokens
+    got = record.output_ids
+    return Mismatch(
+        method=method,
+        prompt=record.prompt,
+        prompt_id=prompts[record.prompt].id,
+        position=position,
+        expected=expected[position] if position < len(expected) else None,
+        got=got[position] if position < len(got) else None,
+        expected_length=len(expected),
+        got_length=len(got),
+    )
