@@ -141,7 +141,7 @@ def test_offline_features_of_several_data_folders(tiny, tmp_path):
     for row, want in enumerate(expected):
         got = both[row]
         assert got["input_ids"] == want["input_ids"] == data[row]["input_ids"]
-        assert torch.equal(got["target_hidden"], want["target_hidden"])
+        assert torch.equal(got["context_hidden_states"], want["context_hidden_states"])
         assert torch.equal(got["target_final_hidden"], want["target_final_hidden"])
     with pytest.raises(ValueError, match="one features folder per data folder"):
         OfflineFeatureDataset(data, tmp_path / "fa", [1, 3])
@@ -186,7 +186,9 @@ def test_cache_features_extends_a_grown_dataset(tiny, tmp_path):
     reference = tmp_path / "ref"
     cache_features(target, data, reference, [1, 3], batch_size=2, shard_bytes=1, progress=False)
     fresh = OfflineFeatureDataset(data, reference, [1, 3])
-    assert all(torch.equal(offline[i]["target_hidden"], fresh[i]["target_hidden"]) for i in range(len(data)))
+    assert all(
+        torch.equal(offline[i]["context_hidden_states"], fresh[i]["context_hidden_states"]) for i in range(len(data))
+    )
     # other rows in front (a different dataset) are refused, by fingerprint
     shuffled = data.select(list(range(1, len(data))) + [0])
     with pytest.raises(ValueError, match="made from other rows"):

@@ -10,7 +10,7 @@ from dflash_hf.data.batching import pad
 
 
 class DFlashDataCollator:
-    """Right-pads `input_ids`/`loss_mask` (and offline `target_hidden` / `target_final_hidden`), truncates to `max_length`."""
+    """Right-pads `input_ids`/`loss_mask` (and offline `context_hidden_states` / `target_final_hidden`), truncates to `max_length`."""
 
     def __init__(self, pad_token_id: int = 0, max_length: int | None = None) -> None:
         self.pad_token_id = int(pad_token_id)
@@ -38,7 +38,7 @@ class DFlashDataCollator:
             "loss_mask": pad(masks, 0),
             "attention_mask": pad([torch.ones_like(t) for t in ids], 0),
         }
-        for key in ("target_hidden", "target_final_hidden"):
+        for key in ("context_hidden_states", "target_final_hidden"):
             if key in features[0]:
                 batch[key] = _pad_cached(key, [torch.as_tensor(f[key]) for f in features], ids)
         return batch

@@ -145,7 +145,7 @@ class DFlashTrainer(PickleFreeCheckpoints):
         target (`PreTrainedModel`): The frozen target (optionally PEFT-adapted). Supplies features (online), the
             shared embedding and the LM head.
         train_dataset / eval_dataset: Rows with `input_ids` and `loss_mask` (a `dflash-hf make-data` dataset), or,
-            with `features="offline"`, a dataset whose rows also carry `target_hidden` (see
+            with `features="offline"`, a dataset whose rows also carry `context_hidden_states` (see
             `dflash_hf.data.features.OfflineFeatureDataset`, built automatically from `features_dir`).
         processing_class: The target's tokenizer (for the pad id, the default mask id and the model card).
     """
@@ -256,7 +256,7 @@ class DFlashTrainer(PickleFreeCheckpoints):
         batch (online mode)."""
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
         step = self.adapter.forward(input_ids, attention_mask, position_ids, DynamicCache())
-        return step.tapped_hidden_states, step.last_hidden_state
+        return step.context_hidden_states, step.last_hidden_state
 
     def create_optimizer(self, model=None):
         """AdamW (the Trainer's), or with `muon=True` Muon for 2-D weight matrices and AdamW for the rest."""
@@ -291,8 +291,8 @@ class DFlashTrainer(PickleFreeCheckpoints):
             attention_mask = torch.ones_like(input_ids)
         lengths = attention_mask.sum(dim=1)
         teacher = inputs.get("target_final_hidden")
-        if "target_hidden" in inputs:
-            context = inputs["target_hidden"]
+        if "context_hidden_states" in inputs:
+            context = inputs["context_hidden_states"]
         else:
             context, teacher = self.target_features(input_ids, attention_mask)
         uses_teacher = self.distill_weight > 0 or self.hard_labels == "target"

@@ -77,13 +77,13 @@ def _drafter_ms(
     draft_ids = getattr(drafter, "draft_token_ids", None)
     draft_ids = None if draft_ids is None else draft_ids.to(device)
 
-    def drafter_forward(block: int, context_features: torch.Tensor, start: int) -> None:
+    def drafter_forward(block: int, context_hidden_states: torch.Tensor, start: int) -> None:
         ids = torch.full((1, block), int(drafter.config.mask_token_id), device=device)
         ids[0, 0] = int(context[0, -1])
-        known = context_features.shape[1]
+        known = context_hidden_states.shape[1]
         out = drafter(
             noise_embeds=adapter.embed(ids),
-            context_hidden_states=context_features,
+            context_hidden_states=context_hidden_states,
             position_ids=torch.arange(start, start + known + block, device=device)[None],
             past_key_values=draft_cache,
         )
@@ -129,7 +129,7 @@ def measure_costs(
     prefill = adapter.forward(context, None, torch.arange(context_tokens, device=device)[None], cache)
     target_ms = _target_ms(adapter, cache, context_tokens, token_counts, exact, repeats, generator)
     block_sizes = [b for b in token_counts if 2 <= b <= int(drafter.config.block_size)]
-    drafter_ms = _drafter_ms(adapter, drafter, context, prefill.tapped_hidden_states, block_sizes, repeats)
+    drafter_ms = _drafter_ms(adapter, drafter, context, prefill.context_hidden_states, block_sizes, repeats)
     step_ms = target_ms.get(1) or min(target_ms.values())
     return {
         "dtype": str(target.dtype).replace("torch.", ""),

@@ -127,7 +127,7 @@ def _features_of_batch(
     step = adapter.forward(ids, mask, positions, DynamicCache())
     tensors = {}
     for j, (row, s) in enumerate(zip(rows, seqs)):
-        tensors[str(row)] = step.tapped_hidden_states[j, : len(s)].to(torch.bfloat16).cpu().contiguous()
+        tensors[str(row)] = step.context_hidden_states[j, : len(s)].to(torch.bfloat16).cpu().contiguous()
         if final_hidden:
             tensors[f"{row}.final"] = step.last_hidden_state[j, : len(s)].to(torch.bfloat16).cpu().contiguous()
     return tensors
@@ -231,7 +231,7 @@ def features_folders(features_dir: str | os.PathLike | list) -> list[Path]:
 
 
 class OfflineFeatureDataset(torch.utils.data.Dataset):
-    """A `make-data` dataset whose rows also carry `target_hidden` (bf16 `(length, k * H)`) read from a features folder.
+    """A `make-data` dataset whose rows also carry `context_hidden_states` (bf16 `(length, k * H)`) read from a features folder.
 
     Several folders (a list, or paths separated by commas) cover consecutive rows, in order: the features of
     `--data a,b` are `--features_dir fa,fb`."""
@@ -309,7 +309,7 @@ class OfflineFeatureDataset(torch.utils.data.Dataset):
                 f"Row {row}: cached features cover {hidden.shape[0]} tokens, the row has {expected}: the features "
                 "folder was made from another dataset; recache it."
             )
-        item["target_hidden"] = hidden
+        item["context_hidden_states"] = hidden
         if self.has_final_hidden:
             item["target_final_hidden"] = self._tensor(int(row), ".final")
         return item

@@ -145,7 +145,7 @@ class TargetStep:
     """Result of one target forward: final normed hidden states and the concatenated tapped layer outputs."""
 
     last_hidden_state: torch.Tensor
-    tapped_hidden_states: torch.Tensor
+    context_hidden_states: torch.Tensor
 
 
 class TargetAdapter:
@@ -274,4 +274,4 @@ class TargetAdapter:
         )
         hidden_states = outputs.hidden_states
         tapped = torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
-        return TargetStep(last_hidden_state=outputs.last_hidden_state, tapped_hidden_states=tapped)
+        return TargetStep(last_hidden_state=outputs.last_hidden_state, context_hidden_states=tapped)

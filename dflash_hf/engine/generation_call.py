@@ -65,7 +65,7 @@ def _row_exact_verification(target: PreTrainedModel, max_block: int) -> bool:
 @dataclass
 class _ActiveRows:
     """The rows still generating: ids, next anchors, committed-token counts, and the tapped target features the
-    drafter has not seen yet (`pending_tapped_hidden_states`, at positions `pending_pos`).
+    drafter has not seen yet (`pending_context_hidden_states`, at positions `pending_pos`).
 
     `mask` is the padding mask over the target cache (which already holds the pending context); `pending_shift` is
     how far each row must move right to be contiguous again once the drafter has ingested the pending context.
@@ -75,14 +75,14 @@ class _ActiveRows:
     anchors: torch.LongTensor
     committed: torch.LongTensor
     mask: torch.Tensor
-    pending_tapped_hidden_states: torch.Tensor
+    pending_context_hidden_states: torch.Tensor
     pending_pos: torch.LongTensor
     pending_shift: torch.LongTensor
 
     def select(self, index: torch.LongTensor) -> None:
         """Keep only the rows at `index` (positions in the current batch)."""
         self.rows = [self.rows[i] for i in index.tolist()]
-        for name in ("anchors", "committed", "mask", "pending_tapped_hidden_states", "pending_pos", "pending_shift"):
+        for name in ("anchors", "committed", "mask", "pending_context_hidden_states", "pending_pos", "pending_shift"):
             setattr(self, name, getattr(self, name)[index])
 
 
@@ -289,7 +289,7 @@ class GenerationCall:
             anchors=first,
             committed=mask.sum(-1),
             mask=mask,
-            pending_tapped_hidden_states=step.tapped_hidden_states,
+            pending_context_hidden_states=step.context_hidden_states,
             pending_pos=positions,
             pending_shift=torch.zeros(self.batch, dtype=torch.long, device=self.device),
         )
@@ -304,7 +304,7 @@ class GenerationCall:
             noise_ids[:, 0] = state.anchors
             out = self.drafter(
                 noise_embeds=self.adapter.embed(noise_ids),
-                context_hidden_states=state.pending_tapped_hidden_states,
+                context_hidden_states=state.pending_context_hidden_states,
                 position_ids=torch.cat([state.pending_pos, block_pos], dim=1),
                 attention_mask=_mask_or_none(state.mask, block),
                 past_key_values=self.draft_cache,
@@ -343,7 +343,7 @@ class GenerationCall:
         truncate_cache(self.target_cache, state.mask.shape[1] + width)
         slots = torch.arange(width, device=self.device)
         state.mask = torch.cat([state.mask, (slots[None, :] < kept[:, None]).to(state.mask.dtype)], dim=1)
-        state.pending_tapped_hidden_states = step.tapped_hidden_states[:, :width]
+        state.pending_context_hidden_states = step.context_hidden_states[:, :width]
         state.pending_pos = block_pos[:, :width]
         state.pending_shift = width - kept
         state.committed = state.committed + kept
