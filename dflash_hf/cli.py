@@ -25,6 +25,7 @@ COMMAND_MODULES: dict[str, str] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `dflash-hf` argument parser with every sub-command registered."""
     parser = argparse.ArgumentParser(
         prog="dflash-hf", description="DFlash block-diffusion speculative decoding for Hugging Face Transformers."
     )
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run `dflash-hf` with `argv`; returns the exit code (2 with one `error:` line on bad input)."""
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "train":  # `train` parses its own flags (TRL's parser: --config recipe.yaml + overrides)

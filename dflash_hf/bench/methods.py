@@ -124,6 +124,7 @@ class _TargetWatch:
             self.draft_seconds += clock(self.device) - self._draft_start
 
     def close(self) -> None:
+        """Remove every hook."""
         for handle in self._handles:
             handle.remove()
 

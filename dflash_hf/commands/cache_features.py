@@ -7,6 +7,7 @@ import json
 
 
 def register(subparsers) -> None:
+    """Add the `cache-features` sub-command to `subparsers`."""
     parser = subparsers.add_parser(
         "cache-features",
         help="Store the target's tapped hidden states of a make-data set (bf16 safetensors shards, resumable).",
@@ -35,6 +36,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run `cache-features`; returns the exit code."""
     from ..data.features import cache_features
     from ..data.make import load_training_data
     from ..modeling import DFlashConfig, default_target_layer_ids

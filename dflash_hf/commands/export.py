@@ -21,6 +21,7 @@ def _read_json(path: Path | None) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run `export`; returns the exit code."""
     metrics = _read_json(args.metrics)
     training = _read_json(args.training)
     drafter = DFlashDraftModel.from_pretrained(args.drafter)
@@ -41,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `export` sub-command to `subparsers`."""
     parser = subparsers.add_parser(
         "export",
         help="write a drafter as a Hub-ready folder (safetensors, remote code, model card)",

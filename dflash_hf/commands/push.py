@@ -11,6 +11,7 @@ from ..hub.push import push_to_hub, validate_hub_folder
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run `push`; returns the exit code."""
     validate_repo_id(args.repo_id)
     if args.dry_run:
         files = validate_hub_folder(args.folder)
@@ -35,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `push` sub-command to `subparsers`."""
     parser = subparsers.add_parser(
         "push",
         help="upload an exported drafter folder to the Hugging Face Hub",

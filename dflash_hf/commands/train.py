@@ -73,6 +73,7 @@ def _trl_parser():
 
 
 def register(subparsers) -> None:
+    """Add the `train` sub-command to `subparsers` (its flags are parsed by `TrlParser` in `run`)."""
     parser = subparsers.add_parser(
         "train",
         add_help=False,

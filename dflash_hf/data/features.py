@@ -298,6 +298,7 @@ class OfflineFeatureDataset(torch.utils.data.Dataset):
         return handle.get_tensor(f"{local}{suffix}")
 
     def features(self, row: int) -> torch.Tensor:
+        """The cached tapped features of `row`, bf16 `(length, k * H)`."""
         return self._tensor(row)
 
     def __getitem__(self, row: int) -> dict[str, Any]:

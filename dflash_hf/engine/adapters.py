@@ -194,14 +194,17 @@ class TargetAdapter:
 
     @property
     def num_layers(self) -> int:
+        """The target's number of decoder layers."""
         return len(self.layers)
 
     @property
     def vocab_size(self) -> int:
+        """The target's vocabulary size (rows of its LM head)."""
         return int(self.embed_tokens.weight.shape[0])
 
     @property
     def hidden_size(self) -> int:
+        """The target's hidden size."""
         return int(self.config.hidden_size)
 
     def check_drafter(self, drafter: DFlashDraftModel) -> None:

@@ -76,6 +76,7 @@ def check_context_length(target: PreTrainedModel, prompt_tokens: int, max_new_to
 
 
 def check_request(generation_config: GenerationConfig) -> None:
+    """Refuse generation settings the engine cannot honour (with a `ValueError` naming the fix)."""
     for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
         if getattr(generation_config, flag, False):
             raise ValueError(
