@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from test_train_helpers import PROMPTS, make_tiny_target, make_tokenizer, one_thread, write_prompts
 
 import dflash_hf.data.make as data_mod
 import dflash_hf.data.prompts as prompts_mod
 from dflash_hf.cli import main as cli_main
+from dflash_hf.data.features import OfflineFeatureDataset, cache_features, read_index
 from dflash_hf.data.make import load_training_data, make_data
 from dflash_hf.data.prompts import iter_json_array, load_prompts, split_of
 
@@ -254,3 +256,64 @@ def test_cli_bad_input_is_one_error_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:")
     assert not (tmp_path / "o").exists()
+
+
+def _features_close(captured, reference, rows, generated: bool):
+    """Captured features equal a separate feature pass (to bf16 rounding of incremental vs full forwards), except,
+    for generated rows, the last position, which generation never feeds to the target and is stored as zeros."""
+    for row in range(rows):
+        got, want = captured[row], reference[row]
+        for key in ("context_hidden_states", "target_final_hidden"):
+            assert got[key].shape == want[key].shape
+            compared = slice(None, -1) if generated else slice(None)
+            if generated:
+                assert not got[key][-1].any()
+            torch.testing.assert_close(got[key][compared].float(), want[key][compared].float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("responses", ["regenerate", "source"])
+def test_make_data_captures_features_while_it_makes_rows(target, tmp_path, monkeypatch, responses):
+    """`features_dir`: the rows' tapped features and final hidden states are stored as the rows are made (one shard
+    per part), readable as offline features, equal to a separate `cache_features` pass; a run killed between a
+    batch's shard and its part resumes with features and rows aligned."""
+    tok = make_tokenizer()
+    chats = [{"id": f"p{i}", "prompt": p, "response": "a reply " * (i + 1)} for i, p in enumerate(PROMPTS)]
+    src = tmp_path / "chats.jsonl"
+    src.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    kwargs = dict(
+        source=str(src), max_new_tokens=10, held_out_fraction=0.0, batch_size=2, responses=responses, progress=False
+    )
+    real_write = data_mod.atomic_write_text
+    calls = {"parts": 0}
+
+    def dying_write(path, text):
+        if path.name.startswith("part-"):
+            calls["parts"] += 1
+            if calls["parts"] == 2:  # the second batch's shard is written, its part is not
+                raise KeyboardInterrupt("killed between shard and part")
+        return real_write(path, text)
+
+    monkeypatch.setattr(data_mod, "atomic_write_text", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        make_data(target, tok, tmp_path / "d", features_dir=tmp_path / "f", target_layer_ids=[1, 3], **kwargs)
+    assert len(read_index(tmp_path / "f")["shards"]) == 2  # one shard ahead of the parts
+    monkeypatch.setattr(data_mod, "atomic_write_text", real_write)
+    make_data(target, tok, tmp_path / "d", features_dir=tmp_path / "f", target_layer_ids=[1, 3], **kwargs)
+    data = load_training_data(tmp_path / "d")
+    index = read_index(tmp_path / "f")
+    assert [s["end"] - s["start"] for s in index["shards"]] == [2, 2, 2] and index["num_rows"] == len(data)
+    captured = OfflineFeatureDataset(data, tmp_path / "f", [1, 3])
+    cache_features(target, data, tmp_path / "ref", [1, 3], max_length=64, batch_size=1, progress=False)
+    reference = OfflineFeatureDataset(data, tmp_path / "ref", [1, 3])
+    _features_close(captured, reference, len(data), generated=responses == "regenerate")
+    with pytest.raises(ValueError, match="taps|target_layer_ids"):
+        make_data(target, tok, tmp_path / "d", features_dir=tmp_path / "f", target_layer_ids=[0, 3], **kwargs)
+
+
+def test_features_out_on_a_folder_made_without_them_is_refused(target, tmp_path):
+    tok = make_tokenizer()
+    src = write_prompts(tmp_path / "p.jsonl")
+    settings = dict(source=str(src), max_new_tokens=6, held_out_fraction=0.0, batch_size=2, progress=False)
+    make_data(target, tok, tmp_path / "d", max_samples=2, **settings)
+    with pytest.raises(ValueError, match="cache-features"):
+        make_data(target, tok, tmp_path / "d", features_dir=tmp_path / "f", target_layer_ids=[1, 3], **settings)

@@ -384,6 +384,24 @@ def _rows(folder: Path) -> list[tuple[str, list[int]]]:
     return sorted(zip(dataset["id"], dataset["input_ids"]))
 
 
+def test_make_data_features_out_trains_offline(train_setup, capsys, tmp_path):
+    """`make-data --features-out`: the captured features folder covers every row and feeds offline training."""
+    root, prompts = train_setup
+    argv = _make_data_argv(root, prompts, "captured") + ["--features-out", str(root / "captured-features")]
+    assert cli.main(argv + ["--target-layer-ids", "0", "2"]) == 0
+    index = json.loads((root / "captured-features" / "index.json").read_text())
+    rows = _rows(root / "captured")
+    assert index["num_rows"] == len(rows) and index["target_layer_ids"] == [0, 2] and index["final_hidden"]
+    train = [
+        "train", "--target", str(root / "target"), "--data", str(root / "captured"), "--output_dir",
+        str(tmp_path / "run"), "--base_model", "org/tiny", "--features", "offline", "--features_dir",
+        str(root / "captured-features"), "--target_layer_ids", "0", "2", "--num_draft_layers", "1", "--block_size",
+        "4", "--max_steps", "1", "--distill_weight", "0.5", "--use_cpu", "true", "--report_to", "none",
+        "--disable_tqdm", "true", "--save_strategy", "no",
+    ]  # fmt: skip
+    assert cli.main(train) == 0, capsys.readouterr().err
+
+
 def test_make_data_survives_sigkill(train_setup, capsys):
     root, prompts = train_setup
     assert cli.main(_make_data_argv(root, prompts, "data")) == 0

@@ -42,6 +42,34 @@ def load_models(target: str, drafter_dir: Path, device: torch.device, dtype: str
     return model, tokenizer, drafter, f"{str(model.dtype).replace('torch.', '')} ({reason})"
 
 
+def add_tap_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--target-layer-ids`, `--num-target-features`, `--drafter` and `--no-final-hidden`: which target features a
+    features folder stores (cache-features, make-data --features-out)."""
+    parser.add_argument(
+        "--target-layer-ids", type=int, nargs="+", default=None, help="Tapped layers (default: spread)."
+    )
+    parser.add_argument("--num-target-features", type=int, default=5, help="Number of taps if no ids are given.")
+    parser.add_argument("--drafter", default=None, help="Take the tapped layers from this drafter's config.")
+    parser.add_argument(
+        "--no-final-hidden",
+        dest="final_hidden",
+        action="store_false",
+        help="Do not store the target's final hidden states (the distillation teacher; H values per token).",
+    )
+
+
+def target_layer_ids_of(args: argparse.Namespace, target) -> list[int]:
+    """The tapped layers asked for by [`add_tap_arguments`]' flags: explicit ids, a drafter's, or spread ones."""
+    from ..modeling import DFlashConfig, default_target_layer_ids
+
+    if args.drafter:
+        return list(DFlashConfig.from_pretrained(args.drafter).target_layer_ids)
+    if args.target_layer_ids is not None:
+        return list(args.target_layer_ids)
+    text = target.config.get_text_config(decoder=True)
+    return default_target_layer_ids(int(text.num_hidden_layers), args.num_target_features)
+
+
 def comma_separated_ints(text: str) -> list[int]:
     """`argparse` type of flags such as `--block-sizes 4,8,16`: at least one integer, each >= 1."""
     try:

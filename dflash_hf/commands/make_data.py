@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from . import add_tap_arguments, target_layer_ids_of
+
 
 def register(subparsers) -> None:
     """Add the `make-data` sub-command to `subparsers`."""
@@ -34,6 +36,13 @@ def register(subparsers) -> None:
         help="regenerate: the target's greedy answers (default); source: the source's own replies, no generation "
         "(teacher-forced data for training with --distill_weight > 0).",
     )
+    parser.add_argument(
+        "--features-out",
+        default=None,
+        help="Also store the rows' target features here while making them (the format of cache-features; no "
+        "second feature pass). Taps: --target-layer-ids / --num-target-features / --drafter.",
+    )
+    add_tap_arguments(parser)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available).")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16.")
     parser.add_argument("--quiet", action="store_true", help="No progress bar.")
@@ -64,6 +73,9 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         use_chat_template=False if args.no_chat_template else None,
         responses=args.responses,
+        features_dir=args.features_out,
+        target_layer_ids=target_layer_ids_of(args, target) if args.features_out else None,
+        final_hidden=args.final_hidden,
         progress=not args.quiet,
     )
     print(json.dumps({"out": args.out, **manifest["counts"]}))

@@ -95,8 +95,10 @@ def _check_stored_rows(out: Path, index: dict[str, Any], dataset) -> None:
             )
 
 
-def _open_index(out: Path, settings: dict[str, Any], dataset) -> dict[str, Any]:
-    """The index of `out`: a new one, or the stored one once its settings and rows are known to match `dataset`."""
+def open_index(out: Path, settings: dict[str, Any], dataset, drop_extra_rows: bool = False) -> dict[str, Any]:
+    """The index of `out`: a new one, or the stored one once its settings and rows are known to match `dataset` (any
+    sequence of rows with `input_ids`). With `drop_extra_rows`, shards past the end of `dataset` are removed first
+    (make-data writes a batch's shard before its part)."""
     if (out / INDEX_NAME).is_file():
         index = read_index(out)
         for key in ("target_layer_ids", "width", "max_length", "final_hidden"):
@@ -105,6 +107,9 @@ def _open_index(out: Path, settings: dict[str, Any], dataset) -> dict[str, Any]:
                     f"{out} holds features made with {key}={index.get(key)!r}, not {settings[key]!r}: use another "
                     "--out folder (or the same settings to resume)."
                 )
+        while drop_extra_rows and index["shards"] and index["shards"][-1]["end"] > len(dataset):
+            (out / index["shards"].pop()["file"]).unlink(missing_ok=True)
+            _write_index(out, index)
         _check_stored_rows(out, index, dataset)
         if index["num_rows"] != len(dataset):
             index["num_rows"] = len(dataset)
@@ -112,15 +117,80 @@ def _open_index(out: Path, settings: dict[str, Any], dataset) -> dict[str, Any]:
     else:
         index = {**settings, "shards": []}
         _write_index(out, index)
+    for leftover in out.glob(".shard-*.tmp"):
+        leftover.unlink()
     return index
 
 
-def _features_of_batch(
-    adapter, rows: list[int], seqs: list[list[int]], device: torch.device, final_hidden: bool
-) -> dict[str, torch.Tensor]:
+def settings_of(
+    target,
+    adapter,
+    target_layer_ids: list[int],
+    target_name: str | None,
+    max_length: int,
+    final_hidden: bool,
+    num_rows: int,
+) -> dict[str, Any]:
+    """The settings recorded in a features folder's index."""
+    return {
+        "format": FEATURES_FORMAT,
+        "target": target_name,
+        "target_model_type": getattr(target.config, "model_type", None),
+        "target_layer_ids": [int(i) for i in target_layer_ids],
+        "hidden_size": adapter.hidden_size,
+        "width": adapter.hidden_size * len(target_layer_ids),
+        "dtype": "bfloat16",
+        "max_length": int(max_length),
+        "final_hidden": bool(final_hidden),
+        "num_rows": num_rows,
+    }
+
+
+class ShardWriter:
+    """Collects the tensors of consecutive rows and publishes them as shards: each shard file is renamed into place,
+    then the index is rewritten to include it (both atomically)."""
+
+    def __init__(self, out: Path, index: dict[str, Any]) -> None:
+        self.out, self.index = out, index
+        self.end = index["shards"][-1]["end"] if index["shards"] else 0  # rows published so far
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.pending_seqs: list[list[int]] = []
+
+    def add(self, tensors: dict[str, torch.Tensor], seqs: list[list[int]]) -> None:
+        """Queue the tensors of the next `len(seqs)` rows (their token ids, for the shard's fingerprint)."""
+        self.pending.update(tensors)
+        self.pending_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        self.pending_seqs.extend(seqs)
+
+    def flush(self, end: int) -> None:
+        """Publish the queued rows (up to row `end`) as one shard."""
+        if not self.pending:
+            return
+        name = f"shard-{len(self.index['shards']):05d}.safetensors"
+        tensors = self.pending
+        atomic_write(self.out / name, lambda tmp: save_file(tensors, str(tmp), metadata={"format": FEATURES_FORMAT}))
+        set_ordinary_mode(self.out / name)
+        self.index["shards"].append(
+            {
+                "file": name,
+                "start": self.end,
+                "end": end,
+                "lengths": [len(s) for s in self.pending_seqs],
+                "fingerprint": _fingerprint(self.pending_seqs),
+            }
+        )
+        self.index["num_rows"] = max(int(self.index["num_rows"]), end)
+        _write_index(self.out, self.index)
+        self.end = end
+        self.pending, self.pending_bytes, self.pending_seqs = {}, 0, []
+
+
+def features_of_batch(adapter, rows: list[int], seqs: list[list[int]], final_hidden: bool) -> dict[str, torch.Tensor]:
     """One target forward over a right-padded batch: the bf16 tensors to store, by name (`"{row}"`, `"{row}.final"`)."""
     from transformers.cache_utils import DynamicCache
 
+    device = next(adapter.target.parameters()).device
     ids = pad([torch.tensor(s, dtype=torch.long) for s in seqs]).to(device)
     mask = pad([torch.ones(len(s), dtype=torch.long) for s in seqs]).to(device)
     positions = torch.arange(ids.shape[1], device=device)[None].expand(len(seqs), -1)
@@ -153,7 +223,6 @@ def cache_features(
     Resumable: rows already indexed in `out_dir` are skipped, and a dataset that only grew at the end is extended
     (stored rows are checked against it first). Returns the index.
     """
-    # one function because the shard bookkeeping (`flush`) shares the loop's pending rows
     from ..engine.adapters import TargetAdapter
 
     if max_length < 2:
@@ -165,62 +234,21 @@ def cache_features(
     adapter = TargetAdapter(target, list(target_layer_ids))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    settings = {
-        "format": FEATURES_FORMAT,
-        "target": target_name,
-        "target_model_type": getattr(target.config, "model_type", None),
-        "target_layer_ids": [int(i) for i in target_layer_ids],
-        "hidden_size": adapter.hidden_size,
-        "width": adapter.hidden_size * len(target_layer_ids),
-        "dtype": "bfloat16",
-        "max_length": int(max_length),
-        "final_hidden": bool(final_hidden),
-        "num_rows": len(dataset),
-    }
-    index = _open_index(out, settings, dataset)
-    for leftover in out.glob(".shard-*.tmp"):
-        leftover.unlink()
-    start = index["shards"][-1]["end"] if index["shards"] else 0
-    device = next(target.parameters()).device
+    settings = settings_of(target, adapter, target_layer_ids, target_name, max_length, final_hidden, len(dataset))
+    writer = ShardWriter(out, open_index(out, settings, dataset))
     total = len(dataset)
-    bar = tqdm(total=total, initial=start, desc="cache-features", unit="row", disable=not progress)
-    pending: dict[str, torch.Tensor] = {}
-    pending_start, pending_bytes, pending_seqs = start, 0, []
-
-    def flush(end: int) -> None:
-        nonlocal pending, pending_start, pending_bytes, pending_seqs
-        if not pending:
-            return
-        name = f"shard-{len(index['shards']):05d}.safetensors"
-        atomic_write(out / name, lambda tmp: save_file(pending, str(tmp), metadata={"format": FEATURES_FORMAT}))
-        set_ordinary_mode(out / name)
-        index["shards"].append(
-            {
-                "file": name,
-                "start": pending_start,
-                "end": end,
-                "lengths": [len(s) for s in pending_seqs],
-                "fingerprint": _fingerprint(pending_seqs),
-            }
-        )
-        _write_index(out, index)
-        pending, pending_start, pending_bytes, pending_seqs = {}, end, 0, []
-
-    row = start
-    while row < total:
-        rows = list(range(row, min(row + batch_size, total)))
-        seqs = [_row_ids(dataset, i, max_length) for i in rows]
-        for name, tensor in _features_of_batch(adapter, rows, seqs, device, final_hidden).items():
-            pending[name] = tensor
-            pending_bytes += tensor.numel() * 2
-        pending_seqs.extend(seqs)
-        row = rows[-1] + 1
-        bar.update(len(rows))
-        if pending_bytes >= shard_bytes:
-            flush(row)
-    flush(row)
-    bar.close()
-    return index
+    with tqdm(total=total, initial=writer.end, desc="cache-features", unit="row", disable=not progress) as bar:
+        row = writer.end
+        while row < total:
+            rows = list(range(row, min(row + batch_size, total)))
+            seqs = [_row_ids(dataset, i, max_length) for i in rows]
+            writer.add(features_of_batch(adapter, rows, seqs, final_hidden), seqs)
+            row = rows[-1] + 1
+            bar.update(len(rows))
+            if writer.pending_bytes >= shard_bytes:
+                writer.flush(row)
+        writer.flush(row)
+    return writer.index
 
 
 def features_folders(features_dir: str | os.PathLike | list) -> list[Path]:

@@ -20,6 +20,7 @@ settings skips every id already in a part and continues; a batch interrupted mid
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -35,6 +36,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..fileio import atomic_write_folder, atomic_write_text
 from ..special_tokens import first_token_id, token_ids
 from .batching import pad
+from .capture import FeatureRecorder
 from .prompts import DEFAULT_SOURCE, MANIFEST_NAME, Prompt, encode_prompt, load_prompts
 
 SETTINGS_NAME = "settings.json"
@@ -178,9 +180,10 @@ def _write_parts(
     goal: int,
     batch_size: int,
     progress: bool,
+    recorder: FeatureRecorder | None = None,
 ) -> int:
-    """Make responses (`respond(batch)`) batch by batch, each batch written as a new part, until `done` holds `goal`
-    records (or the prompts run out); returns how many records were made."""
+    """Make responses (`respond(batch)`) batch by batch, each batch written as a new part (after its features, with a
+    `recorder`), until `done` holds `goal` records (or the prompts run out); returns how many records were made."""
     part_no = len(list(parts.glob("part-*.jsonl")))
     generated = 0
     with tqdm(total=goal, initial=min(len(done), goal), desc="make-data", unit="sample", disable=not progress) as bar:
@@ -198,6 +201,8 @@ def _write_parts(
                     {"id": p.id, "input_ids": ids + resp, "prompt_length": len(ids)}
                     for (p, ids), resp in zip(chunk, responses)
                 ]
+                if recorder is not None:  # features first: a part never exists without its features
+                    recorder.store(records, max(len(ids) for _, ids in chunk) if recorder.recorded else None)
                 atomic_write_text(parts / f"part-{part_no:06d}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
                 part_no += 1
                 done.extend(records)
@@ -207,14 +212,24 @@ def _write_parts(
 
 
 def _responder(
-    target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, responses: str, max_new_tokens: int
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    responses: str,
+    max_new_tokens: int,
+    recorder: FeatureRecorder | None,
 ) -> Callable[[list[tuple[Prompt, list[int]]]], list[list[int]]]:
-    """The response tokens of a batch of `(prompt, prompt ids)`: the target's greedy answers, or the source's replies."""
+    """The response tokens of a batch of `(prompt, prompt ids)`: the target's greedy answers (recorded by `recorder`
+    when given), or the source's replies."""
     if responses == "source":
         eos = token_ids(target.generation_config.eos_token_id, getattr(tokenizer, "eos_token_id", None))
         end_id = eos[0] if eos else None
         return lambda chunk: [source_response(tokenizer, p.reply, end_id, max_new_tokens) for p, _ in chunk]
-    return lambda chunk: regenerate(target, tokenizer, [ids for _, ids in chunk], max_new_tokens)
+
+    def respond(chunk):
+        with recorder.recording() if recorder is not None else contextlib.nullcontext():
+            return regenerate(target, tokenizer, [ids for _, ids in chunk], max_new_tokens)
+
+    return respond
 
 
 def make_data(
@@ -232,12 +247,17 @@ def make_data(
     seed: int = 0,
     use_chat_template: bool | None = None,
     responses: str = "regenerate",
+    features_dir: str | os.PathLike | None = None,
+    target_layer_ids: list[int] | None = None,
+    final_hidden: bool = True,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Regenerate responses with `target` for the train prompts of `source` into `out_dir`; returns the manifest.
 
     `responses="source"` keeps the source's own replies (teacher-forced data, cut to `max_new_tokens` and closed with
-    the target's end-of-turn token) instead of generating; prompts without a reply are skipped."""
+    the target's end-of-turn token) instead of generating; prompts without a reply are skipped. With `features_dir`
+    the tapped features of `target_layer_ids` (and with `final_hidden` the final hidden states) of every row are
+    stored there as the rows are made (`dflash_hf.data.capture`), in the format of `dflash-hf cache-features`."""
     if responses not in RESPONSE_MODES:
         raise ValueError(f"responses must be one of {RESPONSE_MODES}, got {responses!r}.")
     if max_new_tokens < 1:
@@ -271,15 +291,33 @@ def make_data(
     skipped = {"long": 0, "no_reply": 0}
     goal = len(train) if max_samples is None else min(max_samples, len(train))
     encoded = _encoded(train, done_ids, tokenizer, use_chat_template, max_prompt_tokens, skipped, responses == "source")
+    recorder = None
+    if features_dir is not None:
+        if not target_layer_ids:
+            raise ValueError("features_dir needs target_layer_ids (the target layers the drafter will tap).")
+        recorder = FeatureRecorder(
+            target,
+            features_dir,
+            target_layer_ids,
+            max_length=max_prompt_tokens + max_new_tokens,
+            final_hidden=final_hidden,
+            target_name=target_name,
+        )
+        recorder.start(done)
     started = time.time()
-    respond = _responder(target, tokenizer, responses, max_new_tokens)
-    generated = _write_parts(respond, out / "parts", encoded, done, goal, batch_size, progress)
+    respond = _responder(target, tokenizer, responses, max_new_tokens, recorder)
+    generated = _write_parts(respond, out / "parts", encoded, done, goal, batch_size, progress, recorder)
 
     write_dataset(out, done)
     counts = {**counts, "generated_this_run": generated, "skipped_long_prompts": skipped["long"]}
     if responses == "source":
         counts["skipped_without_reply"] = skipped["no_reply"]
-    manifest = _manifest(settings, {"max_samples": max_samples, "batch_size": batch_size}, counts, done, held)
+    run_settings = {
+        "max_samples": max_samples,
+        "batch_size": batch_size,
+        "features_dir": features_dir and str(features_dir),
+    }
+    manifest = _manifest(settings, run_settings, counts, done, held)
     manifest["generation_seconds_this_run"] = round(time.time() - started, 2)
     atomic_write_text(out / "held_out.jsonl", "".join(json.dumps({"id": p.id, "prompt": p.text}) + "\n" for p in held))
     atomic_write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=1))
