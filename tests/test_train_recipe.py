@@ -372,6 +372,23 @@ def test_train_command_reads_a_yaml_recipe_and_flags_override_it(tiny, tmp_path)
     args = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
     assert args["block_size"] == 4 and args["num_hidden_layers"] == 1  # the file's recipe was used
 
+    # several data folders at once: regenerated + teacher-forced rows, the target's argmax as hard labels
+    replies = tmp_path / "chats.jsonl"
+    replies.write_text(
+        "".join(json.dumps({"id": f"c{i}", "prompt": f"hi {i}", "response": "yo " * (i + 1)}) + "\n" for i in range(3))
+    )
+    make_data(
+        target, tok, tmp_path / "tf", source=str(replies), max_new_tokens=12, held_out_fraction=0.0,
+        responses="source", progress=False,
+    )  # fmt: skip
+    both = f"{tmp_path / 'data'},{tmp_path / 'tf'}"
+    argv = ["train", "--config", str(recipe), "--data", both, "--hard_labels", "target", "--output_dir"]
+    assert cli_main(argv + [str(tmp_path / "mix")]) == 0
+    summary = json.loads((tmp_path / "mix" / "train_summary.json").read_text())
+    assert summary["samples"] == len(load_training_data(tmp_path / "data")) + 3
+    card = (tmp_path / "mix" / "final" / "README.md").read_text()
+    assert "regenerated" in card and "3 teacher-forced" in card and "hard_labels" in card
+
 
 def test_a_saved_bf16_drafter_continues_training_in_fp32(tiny, tmp_path):
     """Warm start from a checkpoint saved in bf16 (like the bundled drafter): master weights are fp32 again."""
