@@ -49,3 +49,12 @@ def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
     for layer in _layers(cache):
         layer.keys = layer.keys[rows.to(layer.keys.device)]
         layer.values = layer.values[rows.to(layer.values.device)]
+
+
+def keep_path(cache: DynamicCache, start: int, order: torch.LongTensor) -> None:
+    """Replace the positions from `start` on with the positions `start + order[row]` of each row (a tree verify keeps
+    only its accepted path, `order` of shape `(batch, width)`)."""
+    for layer in _layers(cache):
+        index = order.to(layer.keys.device)[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+        layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys[..., start:, :].gather(2, index)], dim=2)
+        layer.values = torch.cat([layer.values[..., :start, :], layer.values[..., start:, :].gather(2, index)], dim=2)

@@ -62,6 +62,7 @@ def custom_generate(
     drafter: DFlashDraftModel | None = None,
     block_size: int | str | BlockSizePolicy | None = None,
     sampling_proposal: str = DEFAULT_SAMPLING_PROPOSAL,
+    candidates: str = "dflash",
     **model_kwargs,
 ) -> DFlashGenerateOutput | torch.LongTensor:
     """DFlash decoding as a Transformers `custom_generate` callable.
@@ -71,6 +72,7 @@ def custom_generate(
     the drafter's block size for this call, or be `"adaptive"` (see [`AdaptiveBlockSize`]) or a policy object.
     `sampling_proposal` (with `do_sample=True`): `"argmax"` drafts each slot's most likely token, `"sample"` samples
     each slot from the drafter's distribution; both keep the output distributed exactly as the target's.
+    `candidates`: `"dflash"` or `"dflash+lookup"` (see [`generate`]).
     """
     if drafter is None:
         raise ValueError(
@@ -96,6 +98,7 @@ def custom_generate(
         streamer=streamer,
         block_size=block_size,
         sampling_proposal=sampling_proposal,
+        candidates=candidates,
     )
     output = decoder.run()
     return output if generation_config.return_dict_in_generate else output.sequences
@@ -108,6 +111,7 @@ def generate(
     attention_mask: torch.Tensor | None = None,
     block_size: int | str | BlockSizePolicy | None = None,
     sampling_proposal: str = DEFAULT_SAMPLING_PROPOSAL,
+    candidates: str = "dflash",
     **kwargs,
 ) -> DFlashGenerateOutput | torch.LongTensor:
     """Lossless speculative generation with a DFlash drafter.
@@ -118,6 +122,10 @@ def generate(
     `"adaptive"` (chosen every cycle from the measured acceptance profile and costs), or a `BlockSizePolicy`.
     `sampling_proposal` (with `do_sample=True`): `"argmax"` (default) drafts each slot's most likely token and accepts
     it with the target's probability of it; `"sample"` samples each slot from the drafter's own distribution.
+    `candidates="dflash+lookup"` (greedy, float32 or GPU targets): each cycle also verifies a prompt-lookup
+    continuation of the row's own text in the same target forward (a two-branch tree, `dflash_hf.engine.tree`); the
+    longer accepted branch is kept. Sampling, prefix-dependent logits processors and row-exact bf16 verification use
+    the DFlash block alone.
 
     Returns:
         A `(batch, length)` tensor like `model.generate`, or a [`DFlashGenerateOutput`] (sequences + statistics) with
@@ -140,5 +148,6 @@ def generate(
         drafter=drafter,
         block_size=block_size,
         sampling_proposal=sampling_proposal,
+        candidates=candidates,
         **kwargs,
     )

@@ -23,9 +23,12 @@ from . import row_exact
 from .acceptance import DEFAULT_SAMPLING_PROPOSAL, SAMPLING_PROPOSALS, greedy_accept, rejection_sample
 from .adapters import TargetAdapter
 from .block_size import BlockSizePolicy, make_block_size_policy
-from .cache_ops import select_rows, shift_cache_right, shift_right, truncate_cache
+from .cache_ops import keep_path, select_rows, shift_cache_right, shift_right, truncate_cache
 from .output import DFlashGenerateOutput
 from .processing import BlockLogitsProcessor
+from .tree import lookup_continuation, path_order, tree_accept, tree_attention_mask, tree_layout
+
+CANDIDATE_SOURCES = ("dflash", "dflash+lookup")
 
 
 def _plain_stop_token_ids(stopping_criteria: StoppingCriteriaList) -> set[int] | None:
@@ -44,6 +47,15 @@ def _mask_or_none(mask: torch.Tensor, block: int = 0) -> torch.Tensor | None:
     if bool(mask.all()):
         return None
     return torch.cat([mask, mask.new_ones(mask.shape[0], block)], dim=1) if block else mask
+
+
+def _sliding_window(config) -> int | None:
+    """The attention window of a target with sliding-window layers (e.g. Gemma 3), else `None`."""
+    text = config.get_text_config(decoder=True)
+    layer_types = getattr(text, "layer_types", None) or []
+    if any("sliding" in str(kind) for kind in layer_types):
+        return getattr(text, "sliding_window", None)
+    return None
 
 
 def _row_exact_verification(target: PreTrainedModel, max_block: int) -> bool:
@@ -101,7 +113,13 @@ class GenerationCall:
         streamer,
         block_size: int | str | BlockSizePolicy | None,
         sampling_proposal: str = DEFAULT_SAMPLING_PROPOSAL,
+        candidates: str = "dflash",
     ) -> None:
+        if candidates not in CANDIDATE_SOURCES:
+            raise ValueError(
+                f"candidates must be one of {CANDIDATE_SOURCES}, got {candidates!r}: 'dflash' verifies the DFlash "
+                "block, 'dflash+lookup' also a prompt-lookup continuation in the same target forward."
+            )
         if sampling_proposal not in SAMPLING_PROPOSALS:
             raise ValueError(
                 f"sampling_proposal must be one of {SAMPLING_PROPOSALS}, got {sampling_proposal!r}: 'argmax' drafts "
@@ -118,6 +136,14 @@ class GenerationCall:
         self.do_sample = bool(generation_config.do_sample)
         self.sample_slots = self.do_sample and sampling_proposal == "sample"
         self.process = BlockLogitsProcessor(logits_processor)
+        # the lookup branch needs greedy verification, stock attention kernels and one mask for every layer
+        self.lookup_branch = (
+            candidates == "dflash+lookup"
+            and not self.do_sample
+            and not self.row_exact
+            and (self.process.is_identity or self.process.prefix_free)
+        )
+        self.sliding_window = _sliding_window(target.config)
         self.stopping_criteria = stopping_criteria
         self.stop_token_ids = _plain_stop_token_ids(stopping_criteria)
         self.streamer = streamer
@@ -141,6 +167,7 @@ class GenerationCall:
         self.lengths = [prompt_len] * batch
         self.finished = [False] * batch
         self.accepted_lengths: list[list[int]] = [[] for _ in range(batch)]
+        self.lookup_wins = [0] * batch
         self.block_sizes: list[list[int]] = [[] for _ in range(batch)]
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
@@ -265,8 +292,18 @@ class GenerationCall:
             block_pos = state.committed[:, None] + torch.arange(block, device=self.device)[None, :]
             draft_tokens, draft_probs = self._draft(state, block, block_pos)
             self._realign(state)
-            accepted, next_tokens, step = self._verify(state, block_pos, draft_tokens, draft_probs)
-            kept = self._commit(state, block, block_pos, draft_tokens, accepted, next_tokens, step)
+            lookups = self._lookups(state, block)
+            if lookups is None:
+                accepted, next_tokens, step = self._verify(state, block_pos, draft_tokens, draft_probs)
+                kept = self._commit(state, block, block_pos, draft_tokens, accepted, next_tokens, step)
+            else:
+                accepted, next_tokens, step, order, won, ids = self._verify_tree(
+                    state, block_pos, draft_tokens, lookups
+                )
+                path = ids.gather(1, order)[:, 1:]
+                kept = self._commit(state, block, block_pos, path, accepted, next_tokens, step, order)
+                for row, lookup_won in zip(state.rows, won.tolist()):
+                    self.lookup_wins[row] += int(lookup_won)
             self.policy.observe(block, kept, time.perf_counter() - cycle_start)
             self._drop_finished(state)
         if self.streamer is not None:
@@ -333,22 +370,54 @@ class GenerationCall:
             accepted, next_tokens = self._accept(target_logits, block_ids, draft_tokens, draft_probs, state.rows)
         return accepted, next_tokens, step
 
+    def _lookups(self, state: _ActiveRows, block: int) -> list[list[int]] | None:
+        """4b. The prompt-lookup continuation of every active row (at most `block - 1` tokens), or `None` when no row
+        has one: then the cycle verifies the block alone."""
+        if not self.lookup_branch:
+            return None
+        lookups = [lookup_continuation(self._text(row), block - 1) for row in state.rows]
+        return lookups if any(lookups) else None
+
+    def _text(self, row: int) -> list[int]:
+        """The tokens of `row` so far, prompt padding left out."""
+        padding = self.prompt_len - int(self.prompt_mask[row].sum())
+        return self.sequences[row, padding : self.lengths[row]].tolist()
+
+    def _verify_tree(self, state: _ActiveRows, block_pos, draft_tokens, lookups: list[list[int]]):
+        """4b. One target forward over the tree `[anchor, drafts, lookup]`; returns `(accepted, next tokens, target
+        step, path order, lookup won, tree ids)`."""
+        ids, positions, sees, valid = tree_layout(state.anchors, draft_tokens, lookups, block_pos[:, 0])
+        with self.verify_timer:
+            dtype = self.adapter.embed_tokens.weight.dtype
+            mask = tree_attention_mask(state.mask, sees, dtype, positions, self.sliding_window)
+            step = self.adapter.forward(ids, mask, positions, self.target_cache)
+            scores = self.process(self.adapter.logits(step.last_hidden_state), lambda: [])
+            accepted, next_tokens, lookup_won = tree_accept(ids, scores.argmax(dim=-1), draft_tokens.shape[1], valid)
+        order = path_order(accepted, lookup_won, draft_tokens.shape[1], int(accepted.max()) + 1)
+        return accepted, next_tokens, step, order, lookup_won, ids
+
     def _commit(
-        self, state: _ActiveRows, block: int, block_pos, draft_tokens, accepted, next_tokens, step
+        self, state: _ActiveRows, block: int, block_pos, path_tokens, accepted, next_tokens, step, order=None
     ) -> list[int]:
         """5. Anchor + accepted drafts enter the caches, the target's token becomes the next anchor, tokens are
-        emitted. Returns the tokens kept per row."""
+        emitted. `order` (a tree verify): the verified positions of each row's accepted path, in order, which alone
+        stay in the cache. Returns the tokens kept per row."""
         kept = accepted + 1
         width = int(kept.max())
-        truncate_cache(self.target_cache, state.mask.shape[1] + width)
+        features = step.context_hidden_states
+        if order is None:
+            truncate_cache(self.target_cache, state.mask.shape[1] + width)
+        else:
+            keep_path(self.target_cache, state.mask.shape[1], order[:, :width])
+            features = features.gather(1, order[:, :width, None].expand(-1, -1, features.shape[-1]))
         slots = torch.arange(width, device=self.device)
         state.mask = torch.cat([state.mask, (slots[None, :] < kept[:, None]).to(state.mask.dtype)], dim=1)
-        state.pending_context_hidden_states = step.context_hidden_states[:, :width]
+        state.pending_context_hidden_states = features[:, :width]
         state.pending_pos = block_pos[:, :width]
         state.pending_shift = width - kept
         state.committed = state.committed + kept
         state.anchors = next_tokens
-        kept_list, draft_list, next_list = kept.tolist(), draft_tokens.tolist(), next_tokens.tolist()
+        kept_list, draft_list, next_list = kept.tolist(), path_tokens.tolist(), next_tokens.tolist()
         for i, row in enumerate(state.rows):
             emitted = self._emit(row, draft_list[i][: kept_list[i] - 1] + [next_list[i]])
             self.accepted_lengths[row].append(emitted)
@@ -382,4 +451,5 @@ class GenerationCall:
             prefill_time=self.prefill_timer.total,
             block_size=self.max_block,
             block_sizes=self.block_sizes,
+            lookup_wins=self.lookup_wins,
         )

@@ -22,6 +22,7 @@ class DFlashGenerateOutput:
             target prefill.
         block_size: the largest block size used (the fixed size, or the adaptive policy's largest candidate).
         block_sizes: per row, the block size of each of its cycles (parallel to `accepted_lengths`).
+        lookup_wins: per row, the cycles whose accepted path was the prompt-lookup branch (`candidates="dflash+lookup"`).
     """
 
     sequences: torch.LongTensor | None = None
@@ -33,6 +34,7 @@ class DFlashGenerateOutput:
     prefill_time: float = 0.0
     block_size: int = 0
     block_sizes: list[list[int]] = field(default_factory=list)
+    lookup_wins: list[int] = field(default_factory=list)
 
     @property
     def acceptance_rate_by_slot(self) -> list[float]:

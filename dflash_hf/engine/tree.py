@@ -1,0 +1,111 @@
+"""Two candidates per verify: the DFlash block and a prompt-lookup branch, checked by one target forward.
+
+The verified tokens form a small tree rooted at the anchor: node 0 is the anchor, nodes `1..k` the DFlash drafts
+(branch 1) and nodes `k+1..k+m` a continuation found by n-gram lookup in the row's own text (branch 2, prompt and
+generated tokens, as Transformers' prompt lookup finds it). Each node attends to the committed context and to its own
+ancestors only (a 4-D additive mask) and sits at its depth's position, so the target's prediction at a node is
+exactly its prediction after the path to that node. The longer accepted path wins; the caches and the drafter's
+context features keep only that path ([`path_order`] lists its node indices).
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOOKUP_NGRAM_SIZES = (3, 2)  # longest n-gram first, as prompt lookup does; 1-grams match too often to pay
+
+
+def lookup_continuation(sequence: list[int], max_tokens: int, ngram_sizes=LOOKUP_NGRAM_SIZES) -> list[int]:
+    """The tokens that followed the latest earlier occurrence of the sequence's trailing n-gram (at most
+    `max_tokens`; empty when no n-gram of `ngram_sizes` recurs)."""
+    length = len(sequence)
+    for n in ngram_sizes:
+        if length <= n:
+            continue
+        tail = sequence[-n:]
+        for start in range(length - n - 1, -1, -1):
+            if sequence[start : start + n] == tail:
+                return sequence[start + n : start + n + max_tokens]
+    return []
+
+
+def tree_layout(
+    anchors: torch.LongTensor, drafts: torch.LongTensor, lookups: list[list[int]], start: torch.LongTensor
+) -> tuple[torch.LongTensor, torch.LongTensor, torch.Tensor, torch.Tensor]:
+    """Token ids, positions, the node-to-node visibility `(batch, W, W)` and the lookup validity `(batch, m)` of the
+    trees `[anchor, drafts..., lookup...]` (lookups right-padded to the longest with the anchor token, never accepted).
+
+    `start[i]` is the position of row `i`'s anchor."""
+    batch, k = drafts.shape
+    m = max(len(tokens) for tokens in lookups)
+    device = drafts.device
+    lookup_ids = anchors[:, None].repeat(1, m)
+    valid = torch.zeros(batch, m, dtype=torch.bool, device=device)
+    for i, tokens in enumerate(lookups):
+        if tokens:
+            lookup_ids[i, : len(tokens)] = torch.tensor(tokens, device=device)
+            valid[i, : len(tokens)] = True
+    ids = torch.cat([anchors[:, None], drafts, lookup_ids], dim=1)
+    depth = torch.cat([torch.arange(k + 1, device=device), torch.arange(1, m + 1, device=device)])
+    width = 1 + k + m
+    branch = torch.cat([torch.zeros(k + 1, dtype=torch.long), torch.ones(m, dtype=torch.long)]).to(device)
+    branch[0] = -1  # the root belongs to both branches
+    same_branch = (branch[:, None] == branch[None, :]) | (branch[None, :] == -1)
+    sees = same_branch & (depth[None, :] <= depth[:, None])  # ancestor-or-self: same branch, not deeper
+    positions = start[:, None] + depth[None, :]
+    return ids, positions, sees[None].expand(batch, width, width), valid
+
+
+def tree_attention_mask(
+    padding: torch.Tensor,
+    sees: torch.Tensor,
+    dtype: torch.dtype,
+    positions: torch.LongTensor | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The additive 4-D mask `(batch, 1, W, context + W)` of a tree verify: padded context positions and non-ancestor
+    nodes hidden. With a `sliding_window` (Gemma 3), a mask per layer type: the sliding layers also hide the context
+    keys at least `sliding_window` positions before a node (`positions`: the nodes' positions; the context is
+    right-aligned and contiguous, so its positions follow from `padding`)."""
+    width = sees.shape[-1]
+    context = padding.bool()[:, None, :].expand(-1, width, -1)
+    visible = torch.cat([context, sees], dim=-1)[:, None]
+    full = _additive(visible, dtype)
+    if sliding_window is None:
+        return full
+    key_positions = torch.cat([padding.long().cumsum(-1) - 1, positions], dim=-1)
+    near = key_positions[:, None, :] > positions[:, :, None] - sliding_window
+    return {"full_attention": full, "sliding_attention": _additive(visible & near[:, None], dtype)}
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where visible, the dtype's minimum elsewhere."""
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill_(~visible, torch.finfo(dtype).min)
+
+
+def tree_accept(
+    ids: torch.LongTensor, target_tokens: torch.LongTensor, k: int, lookup_valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy acceptance on both branches: `(accepted, next_token, lookup_won)` per row, where `accepted` counts the
+    winning branch's accepted tokens and `next_token` is the target's token after them.
+
+    `target_tokens[:, j]` is the target's argmax at node `j` (its prediction of node j's child)."""
+    m = ids.shape[1] - 1 - k
+    dflash = (ids[:, 1 : k + 1] == target_tokens[:, :k]).int().cumprod(dim=1).sum(dim=1)
+    parents = torch.cat([torch.zeros(1, dtype=torch.long), torch.arange(k + 1, k + m)]).to(ids.device)
+    lookup_hit = (ids[:, k + 1 :] == target_tokens[:, parents]) & lookup_valid
+    lookup = lookup_hit.int().cumprod(dim=1).sum(dim=1)
+    lookup_won = lookup > dflash
+    accepted = torch.where(lookup_won, lookup, dflash)
+    last = torch.where(lookup_won & (lookup > 0), k + lookup, dflash)
+    next_token = target_tokens.gather(1, last[:, None]).squeeze(1)
+    return accepted, next_token, lookup_won
+
+
+def path_order(accepted: torch.Tensor, lookup_won: torch.Tensor, k: int, width: int) -> torch.LongTensor:
+    """Node indices of each row's accepted path `[anchor, accepted tokens...]`, padded to `width` by repeating the
+    last one (the padding is masked out like any short row)."""
+    steps = torch.arange(width, device=accepted.device)[None, :]
+    depth = torch.minimum(steps, accepted[:, None])
+    return torch.where(lookup_won[:, None] & (depth > 0), k + depth, depth)

@@ -1,0 +1,170 @@
+"""Two candidates per verify (`candidates="dflash+lookup"`): the tree's parts, and exact greedy equality on every
+family, for batches, with EOS or max_new_tokens inside a branch, and the single-branch fall-backs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import GEMMA_SLIDING_WINDOW, greedy_reference, make_drafter, make_oracle, make_target
+
+import dflash_hf
+import dflash_hf.engine.generation_call as generation_call
+from dflash_hf.engine.tree import lookup_continuation, path_order, tree_accept, tree_layout
+
+MAX_NEW = 32
+
+
+def _prompt(seed: int, length: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 64, (1, length), generator=generator)
+
+
+@pytest.fixture
+def oracle_lookup(monkeypatch):
+    """Tiny random targets do not repeat themselves, so the lookup branch would never be accepted: make the lookup
+    source propose each row's true greedy continuation, with every third position wrong, so that either branch wins
+    at varying depths (the n-gram search itself is tested on its own)."""
+
+    def install(references: list[list[int]]) -> None:
+        def lookup(sequence: list[int], max_tokens: int) -> list[int]:
+            for reference in references:
+                if reference[: len(sequence)] == sequence:
+                    start = len(sequence)
+                    continuation = reference[start : start + max_tokens]
+                    return [(t + 1) % 64 if (start + i) % 3 == 0 else t for i, t in enumerate(continuation)]
+            return []
+
+        monkeypatch.setattr(generation_call, "lookup_continuation", lookup)
+
+    return install
+
+
+def test_lookup_continuation_takes_the_latest_earlier_ngram():
+    assert lookup_continuation([1, 2, 3, 9, 1, 2, 3, 7, 8, 2, 3], 3) == [7, 8, 2]  # latest "2 3" before the tail
+    assert lookup_continuation([5, 6, 7, 5, 6, 7], 2) == [5, 6]  # the 3-gram "5 6 7" recurs
+    assert lookup_continuation([1, 2, 3, 4], 4) == []
+    assert lookup_continuation([4, 4, 4], 5) == [4]  # "4 4" at the start, followed by one token
+
+
+def test_tree_layout_mask_positions_and_acceptance():
+    anchors, drafts = torch.tensor([10, 20]), torch.tensor([[11, 12], [21, 22]])
+    ids, positions, sees, valid = tree_layout(anchors, drafts, [[31, 32, 33], []], torch.tensor([5, 7]))
+    assert ids.tolist() == [[10, 11, 12, 31, 32, 33], [20, 21, 22, 20, 20, 20]]
+    assert positions.tolist() == [[5, 6, 7, 6, 7, 8], [7, 8, 9, 8, 9, 10]]
+    assert valid.tolist() == [[True, True, True], [False, False, False]]
+    expected = [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 0, 0, 1, 0, 0],
+        [1, 0, 0, 1, 1, 0],
+        [1, 0, 0, 1, 1, 1],
+    ]
+    assert sees[0].int().tolist() == expected
+    # target argmax per node: row 0 accepts 1 draft but 2 lookup tokens; row 1 has no lookup and accepts 2 drafts
+    target = torch.tensor([[11, 0, 0, 32, 40, 0], [21, 22, 23, 0, 0, 0]])
+    target[0, 0] = 31  # the root predicts the lookup branch's first token
+    accepted, next_token, won = tree_accept(ids, target, 2, valid)
+    assert accepted.tolist() == [2, 2] and won.tolist() == [True, False] and next_token.tolist() == [40, 23]
+    assert path_order(accepted, won, 2, 3).tolist() == [[0, 3, 4], [0, 1, 2]]
+
+
+@pytest.mark.parametrize("oracle", [False, True], ids=["random drafter", "partly wrong oracle"])
+def test_two_branch_verify_is_lossless(family, oracle, oracle_lookup):
+    target = make_target(family)
+    input_ids = _prompt(0, 23)
+    reference = greedy_reference(target, input_ids, max_new_tokens=MAX_NEW)
+    oracle_lookup([reference[0].tolist()])
+    if oracle:
+        corrupt = {(pos, slot) for pos in range(80) for slot in range(1, 4) if (pos + slot) % 3 == 0}
+        drafter = make_oracle(target, [reference[0].tolist()], corrupt=corrupt)
+    else:
+        drafter = make_drafter(target)
+    out = dflash_hf.generate(
+        target, drafter, input_ids, max_new_tokens=MAX_NEW, candidates="dflash+lookup", return_dict_in_generate=True
+    )
+    assert torch.equal(out.sequences, reference)
+    assert out.lookup_wins[0] > 0 and out.tau > 1.5
+
+
+def test_batch_rows_each_keep_their_own_branch(oracle_lookup):
+    target = make_target("llama")
+    prompts = [_prompt(10 + i, n)[0] for i, n in enumerate([7, 16, 11])]
+    references = [  # no EOS (99 is never generated): every row runs its full length
+        target.generate(p[None], max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=[99])[0] for p in prompts
+    ]
+    oracle_lookup([r.tolist() for r in references])
+    width = max(len(p) for p in prompts)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p) :] = p
+        attention_mask[i, width - len(p) :] = 1
+    corrupt = {(pos, slot) for pos in range(80) for slot in range(1, 4) if (pos + 2 * slot) % 4 == 0}
+    oracle = make_oracle(target, [r.tolist() for r in references], corrupt=corrupt)
+    for drafter in (make_drafter(target), oracle):
+        out = dflash_hf.generate(
+            target,
+            drafter,
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=MAX_NEW,
+            eos_token_id=[99],
+            candidates="dflash+lookup",
+            return_dict_in_generate=True,
+        )
+        for i, (p, ref) in enumerate(zip(prompts, references)):
+            generated = ref[len(p) :]
+            row = out.sequences[i, width:]
+            assert torch.equal(row[: len(generated)], generated), f"row {i}"
+        if drafter is not oracle:  # a random drafter: every row's longer runs come from its own lookup branch
+            assert all(wins > 0 for wins in out.lookup_wins)
+
+
+def test_eos_and_max_new_tokens_inside_the_lookup_branch(oracle_lookup):
+    target = make_target("llama")
+    input_ids = _prompt(3, 20)
+    reference = greedy_reference(target, input_ids, max_new_tokens=MAX_NEW)[0].tolist()
+    oracle_lookup([reference])
+    drafter = make_drafter(target)  # random: accepted runs come from the lookup branch
+    stop = reference[20 + 6]
+    expected = target.generate(input_ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=[99, stop])
+    out = dflash_hf.generate(
+        target, drafter, input_ids, max_new_tokens=MAX_NEW, eos_token_id=[99, stop], candidates="dflash+lookup"
+    )
+    assert torch.equal(out, expected)
+    for max_new_tokens in (1, 3, 6, 11):
+        expected = target.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[99])
+        out = dflash_hf.generate(
+            target, drafter, input_ids, max_new_tokens=max_new_tokens, eos_token_id=[99], candidates="dflash+lookup"
+        )
+        assert torch.equal(out, expected), max_new_tokens
+
+
+def test_gemma_tree_past_the_sliding_window_is_exact(oracle_lookup):
+    """Past Gemma's sliding window the sliding layers get their own tree mask (context keys a window or more before a
+    node hidden), and the output stays exact."""
+    target = make_target("gemma3")
+    input_ids = _prompt(5, 2 * GEMMA_SLIDING_WINDOW + 3)
+    reference = greedy_reference(target, input_ids, max_new_tokens=MAX_NEW)
+    oracle_lookup([reference[0].tolist()])
+    out = dflash_hf.generate(
+        target, make_drafter(target), input_ids, max_new_tokens=MAX_NEW, candidates="dflash+lookup",
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    assert torch.equal(out.sequences, reference) and out.lookup_wins[0] > 0
+
+
+def test_sampling_uses_the_dflash_block_alone_and_bad_values_are_refused(oracle_lookup):
+    target = make_target("llama")
+    drafter = make_drafter(target)
+    input_ids = _prompt(6, 20)
+    oracle_lookup([greedy_reference(target, input_ids, max_new_tokens=12)[0].tolist()])
+    torch.manual_seed(0)
+    out = dflash_hf.generate(
+        target, drafter, input_ids, max_new_tokens=12, do_sample=True, eos_token_id=[99], candidates="dflash+lookup",
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    assert out.lookup_wins == [0] and out.sequences.shape[1] == 32
+    with pytest.raises(ValueError, match="candidates must be one of"):
+        dflash_hf.generate(target, drafter, input_ids, max_new_tokens=4, candidates="lookup")
