@@ -55,7 +55,8 @@ def test_every_method_runs_and_is_exact(result):
     # block 16 exceeds the drafter's trained block size 8: left out
     # a float32 target on CPU: plain greedy with the engine's kernels (prepacked LM head) is a second baseline
     assert names == [
-        "greedy", "greedy_engine_kernels", "prompt_lookup", "native_dflash", *ENGINE_BLOCKS, "dflash_adaptive"
+        "greedy", "greedy_engine_kernels", "prompt_lookup", "native_dflash", *ENGINE_BLOCKS, "dflash_adaptive",
+        "dflash_b4_lookup",
     ]  # fmt: skip
     for method in result.methods:
         assert method.summary.exact and method.summary.mismatched_prompts == []
@@ -240,8 +241,10 @@ def test_outputs_json_schema_plots_and_readme_section(result, tmp_path):
     assert "![Speedup by method](docs/bench/speedup.png)" in section
     assert document["hardware"]["cpu"] in section and document["date"] in section
     assert (out / bench.MARKDOWN_NAME).read_text() == bench.render_markdown(document, ".")
-    # the engine-kernel greedy baseline gets its own column; the cost profile its table and plot
-    assert table.splitlines()[0].endswith("| exact | vs greedy with engine kernels |")
+    # the engine-kernel greedy baseline and the lookup branch get their own columns; the cost profile its table and plot
+    assert table.splitlines()[0].endswith("| exact | vs greedy with engine kernels | lookup branch won |")
+    lookup_row = next(line for line in table.splitlines() if line.startswith("| dflash-hf B=4 + lookup branch |"))
+    assert lookup_row.endswith("% of cycles |") and table.splitlines()[2].endswith("| - |")
     assert document["cost_profile"]["dtype"] == "float32" and set(document["cost_profile"]["target_ms"]) == {
         "1", "2", "4", "8", "16"
     }  # fmt: skip

@@ -40,6 +40,8 @@ class MethodRun:
             `None`.
         draft_time / verify_time / prefill_time: Seconds spent drafting, verifying (after the prefill) and in the
             prefill, or `None` where the method does not measure it.
+        lookup_wins: Cycles whose accepted path was the prompt-lookup branch (`candidates="dflash+lookup"`), else
+            `None`.
     """
 
     new_tokens: list[int]
@@ -49,6 +51,7 @@ class MethodRun:
     draft_time: float | None = None
     verify_time: float | None = None
     prefill_time: float | None = None
+    lookup_wins: int | None = None
 
 
 MethodRunner = Callable[[torch.LongTensor, int], MethodRun]
@@ -207,6 +210,7 @@ def _engine_runner(
             seconds=stopwatch.total,
             accepted_lengths=list(out.accepted_lengths[0]) if out.accepted_lengths else [],
             block_sizes=list(out.block_sizes[0]) if out.block_sizes else [],
+            lookup_wins=out.lookup_wins[0] if out.lookup_wins else None,
             draft_time=out.draft_time,
             verify_time=out.verify_time,
             prefill_time=out.prefill_time,
@@ -221,6 +225,7 @@ def default_methods(
     block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES,
     prompt_lookup_num_tokens: int = 10,
     adaptive: bool = True,
+    lookup_branch: bool = True,
 ) -> list[BenchMethod]:
     """The methods of the module docstring, in order; engine block sizes above the drafter's trained one are left out.
 
@@ -230,6 +235,8 @@ def default_methods(
         block_sizes: Fixed block sizes for our engine (each >= 2; those above the drafter's block size are dropped).
         prompt_lookup_num_tokens: Candidate tokens per prompt-lookup cycle.
         adaptive: Include `dflash_adaptive`.
+        lookup_branch: Include our engine at the smallest block size with a prompt-lookup branch in every verify
+            (`candidates="dflash+lookup"`).
     """
     trained = int(drafter.config.block_size)
     bad = [b for b in block_sizes if int(b) < 2]
@@ -244,7 +251,7 @@ def default_methods(
             f"sizes <= {trained}."
         )
     return _transformers_methods(target, drafter, prompt_lookup_num_tokens) + _engine_methods(
-        target, drafter, sizes, adaptive
+        target, drafter, sizes, adaptive, lookup_branch
     )
 
 
@@ -284,9 +291,9 @@ def _transformers_methods(
 
 
 def _engine_methods(
-    target: PreTrainedModel, drafter: DFlashDraftModel, sizes: list[int], adaptive: bool
+    target: PreTrainedModel, drafter: DFlashDraftModel, sizes: list[int], adaptive: bool, lookup_branch: bool
 ) -> list[BenchMethod]:
-    """Our engine at each fixed block size, then with the adaptive policy."""
+    """Our engine at each fixed block size, with the adaptive policy, then at the smallest size with a lookup branch."""
     trained = int(drafter.config.block_size)
     methods = [
         BenchMethod(
@@ -306,6 +313,17 @@ def _engine_methods(
                 _engine_runner(target, drafter, "adaptive"),
                 'dflash_hf.generate(block_size="adaptive")',
                 block_size=trained,
+            )
+        )
+    if lookup_branch and sizes:
+        size = sizes[0]
+        methods.append(
+            BenchMethod(
+                f"dflash_b{size}_lookup",
+                f"dflash-hf B={size} + lookup branch",
+                _engine_runner(target, drafter, size, candidates="dflash+lookup"),
+                f'dflash_hf.generate(block_size={size}, candidates="dflash+lookup")',
+                block_size=size,
             )
         )
     return methods

@@ -56,12 +56,16 @@ def _exact_cell(summary: dict[str, Any]) -> str:
 def markdown_table(result: BenchResult | dict[str, Any] | str | os.PathLike) -> str:
     """The per-method results as a Markdown table (from a result, its JSON document, or the path of `bench.json`).
 
-    When the run has plain greedy decoding with the engine's kernels, a last column gives every method's speedup over
-    that baseline too (the gain from speculation alone)."""
+    When the run has plain greedy decoding with the engine's kernels, a column gives every method's speedup over
+    that baseline too (the gain from speculation alone); when a method verified a prompt-lookup branch, a last column
+    says in how many cycles that branch was the accepted one."""
     document = _as_document(result)
     kernels = next((m for m in document["methods"] if m["name"] == KERNEL_BASELINE), None)
     kernel_rate = kernels["summary"]["tokens_per_s"] if kernels else None
+    lookups = any(m["summary"].get("lookup_win_rate") is not None for m in document["methods"])
     extra = (" vs greedy with engine kernels |", "---:|") if kernel_rate else ("", "")
+    if lookups:
+        extra = (extra[0] + " lookup branch won |", extra[1] + "---:|")
     lines = [
         "| Method | mean block | tau | tokens/s | speedup | draft ms/cycle | verify ms/cycle | exact |" + extra[0],
         "|---|---:|---:|---:|---:|---:|---:|---|" + extra[1],
@@ -78,6 +82,9 @@ def markdown_table(result: BenchResult | dict[str, Any] | str | os.PathLike) -> 
         if kernel_rate:
             rate = summary["tokens_per_s"]
             line += f" {_fmt(rate / kernel_rate if rate else None, suffix='x')} |"
+        if lookups:
+            rate = summary.get("lookup_win_rate")
+            line += f" {'-' if rate is None else f'{100 * rate:.0f}% of cycles'} |"
         lines.append(line)
     return "\n".join(lines) + "\n"
 

@@ -49,6 +49,7 @@ class PromptResult:
     matches_greedy: bool | None
     first_mismatch: int | None
     output_ids: list[int]
+    lookup_wins: int | None = None
 
 
 @dataclass
@@ -70,6 +71,7 @@ class MethodSummary:
     acceptance_rate_by_slot: list[float]
     exact: bool | None
     mismatched_prompts: list[int]
+    lookup_win_rate: float | None = None
 
 
 @dataclass
@@ -196,6 +198,7 @@ def _per_prompt(index: int, run: MethodRun, reference: MethodRun | None, compare
         matches_greedy=matches,
         first_mismatch=position,
         output_ids=run.new_tokens,
+        lookup_wins=run.lookup_wins,
     )
 
 
@@ -236,6 +239,11 @@ def _summary(records: list[PromptResult], block_size: int | None, reference_rate
         acceptance_rate_by_slot=acceptance_rate_by_slot(lengths, sizes, slots) if cycles else [],
         exact=not mismatched if compared else None,
         mismatched_prompts=mismatched,
+        lookup_win_rate=(
+            sum(r.lookup_wins for r in records) / cycles
+            if cycles and all(r.lookup_wins is not None for r in records)
+            else None
+        ),
     )
 
 

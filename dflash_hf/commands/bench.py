@@ -50,6 +50,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--no-adaptive", action="store_true", help="Leave out the adaptive block size.")
     parser.add_argument(
+        "--no-lookup-branch",
+        action="store_true",
+        help="Leave out dflash-hf with a prompt-lookup branch in every verify (candidates='dflash+lookup').",
+    )
+    parser.add_argument(
         "--temperatures",
         type=comma_separated_floats,
         default=[],
@@ -119,7 +124,13 @@ def _command_line(args: argparse.Namespace, drafter: Path, threads: int | None) 
         argv += ["--temperatures", ",".join(f"{t:g}" for t in args.temperatures)]
         argv += ["--sampling-block-size", str(args.sampling_block_size)]
     argv += [
-        flag for flag, on in (("--no-adaptive", args.no_adaptive), ("--no-chat-template", args.no_chat_template)) if on
+        flag
+        for flag, on in (
+            ("--no-adaptive", args.no_adaptive),
+            ("--no-lookup-branch", args.no_lookup_branch),
+            ("--no-chat-template", args.no_chat_template),
+        )
+        if on
     ]
     if args.skip:
         argv += ["--skip", args.skip]
@@ -172,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         block_sizes=args.block_sizes,
         prompt_lookup_num_tokens=args.prompt_lookup_tokens,
         adaptive=not args.no_adaptive,
+        lookup_branch=not args.no_lookup_branch,
     )
     skipped = {name for name in args.skip.split(",") if name}
     unknown = skipped - {"prompt_lookup", "native_dflash", "greedy_engine_kernels"}
