@@ -142,22 +142,23 @@ def test_sampling_compare(folders, capsys):
 
 
 @pytest.mark.parametrize("proposal", ["argmax", "sample"])
-def test_sampling_proposal_flag_reaches_the_engine(folders, capsys, monkeypatch, proposal):
+def test_sampling_proposal_and_candidates_flags_reach_the_engine(folders, capsys, monkeypatch, proposal):
     import dflash_hf.engine.generation_call as generation_call
 
     seen = []
     real = generation_call.GenerationCall.__init__
 
     def recording(self, *args, **kwargs):
-        seen.append(kwargs.get("sampling_proposal"))
+        seen.append((kwargs.get("sampling_proposal"), kwargs.get("candidates")))
         real(self, *args, **kwargs)
 
     monkeypatch.setattr(generation_call.GenerationCall, "__init__", recording)
     code, _, _ = _run(
         capsys, "the cat sat", "--target", str(folders["target"]), "--drafter", str(folders["drafter"]),
         "--max-new-tokens", "4", "--temperature", "0.8", "--sampling-proposal", proposal,
+        "--candidates", "dflash+lookup",
     )  # fmt: skip
-    assert code == 0 and seen[-1] == proposal
+    assert code == 0 and seen[-1] == (proposal, "dflash+lookup")
 
 
 def test_defaults_use_named_target_and_bundled_drafter(monkeypatch, tmp_path, capsys):

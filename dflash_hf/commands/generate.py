@@ -21,6 +21,7 @@ from ..data.prompts import encode_prompt
 from ..engine.acceptance import DEFAULT_SAMPLING_PROPOSAL, SAMPLING_PROPOSALS
 from ..engine.checks import check_context_length
 from ..engine.generation import generate
+from ..engine.generation_call import CANDIDATE_SOURCES
 from ..modeling import DFlashConfig
 from ..runtime import Stopwatch, available_cpus, default_device
 from ..targets import resolve_drafter_dir
@@ -51,6 +52,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--top-p", type=float, default=None, help="Nucleus sampling mass (implies sampling).")
     parser.add_argument("--top-k", type=int, default=None, help="Top-k sampling (implies sampling).")
+    parser.add_argument(
+        "--candidates",
+        choices=CANDIDATE_SOURCES,
+        default="dflash",
+        help="dflash: verify the DFlash block (default); dflash+lookup: also a prompt-lookup continuation in the same "
+        "target forward (greedy only).",
+    )
     parser.add_argument(
         "--sampling-proposal",
         choices=SAMPLING_PROPOSALS,
@@ -143,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
             streamer=streamer,
             return_dict_in_generate=True,
             sampling_proposal=args.sampling_proposal,
+            candidates=args.candidates,
             **common,
         ),
     )
