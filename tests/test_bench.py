@@ -245,6 +245,7 @@ def test_outputs_json_schema_plots_and_readme_section(result, tmp_path):
     assert table.splitlines()[0].endswith("| exact | vs greedy with engine kernels | lookup branch won |")
     lookup_row = next(line for line in table.splitlines() if line.startswith("| dflash-hf B=4 + lookup branch |"))
     assert lookup_row.endswith("% of cycles |") and table.splitlines()[2].endswith("| - |")
+    assert sum(line.endswith("% of cycles |") for line in table.splitlines()) == 1  # only the lookup method
     assert document["cost_profile"]["dtype"] == "float32" and set(document["cost_profile"]["target_ms"]) == {
         "1", "2", "4", "8", "16"
     }  # fmt: skip

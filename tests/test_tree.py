@@ -165,6 +165,6 @@ def test_sampling_uses_the_dflash_block_alone_and_bad_values_are_refused(oracle_
         target, drafter, input_ids, max_new_tokens=12, do_sample=True, eos_token_id=[99], candidates="dflash+lookup",
         return_dict_in_generate=True,
     )  # fmt: skip
-    assert out.lookup_wins == [0] and out.sequences.shape[1] == 32
+    assert out.lookup_wins == [] and out.sequences.shape[1] == 32
     with pytest.raises(ValueError, match="candidates must be one of"):
         dflash_hf.generate(target, drafter, input_ids, max_new_tokens=4, candidates="lookup")

@@ -451,5 +451,5 @@ class GenerationCall:
             prefill_time=self.prefill_timer.total,
             block_size=self.max_block,
             block_sizes=self.block_sizes,
-            lookup_wins=self.lookup_wins,
+            lookup_wins=self.lookup_wins if self.lookup_branch else [],
         )

@@ -22,7 +22,8 @@ class DFlashGenerateOutput:
             target prefill.
         block_size: the largest block size used (the fixed size, or the adaptive policy's largest candidate).
         block_sizes: per row, the block size of each of its cycles (parallel to `accepted_lengths`).
-        lookup_wins: per row, the cycles whose accepted path was the prompt-lookup branch (`candidates="dflash+lookup"`).
+        lookup_wins: per row, the cycles whose accepted path was the prompt-lookup branch (with
+            `candidates="dflash+lookup"` and greedy decoding; empty otherwise).
     """
 
     sequences: torch.LongTensor | None = None
