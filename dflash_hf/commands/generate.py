@@ -63,7 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--sampling-proposal",
         choices=SAMPLING_PROPOSALS,
         default=DEFAULT_SAMPLING_PROPOSAL,
-        help="When sampling: draft each slot's most likely token (argmax, default) or sample it (sample).",
+        help="When sampling: sample each slot from the drafter (sample, default) or draft its most likely token (argmax).",
     )
     parser.add_argument(
         "--compare",

@@ -13,7 +13,7 @@ import torch
 # How draft tokens are proposed when sampling: "argmax" (each slot's most likely token, a point-mass proposal; coherent
 # blocks) or "sample" (each slot sampled from its own marginal). Both are lossless under `rejection_sample`.
 SAMPLING_PROPOSALS = ("argmax", "sample")
-DEFAULT_SAMPLING_PROPOSAL = "argmax"
+DEFAULT_SAMPLING_PROPOSAL = "sample"  # measured: higher tau at T=0.7 and 1.0 on both bench prompt sets (README)
 
 
 def greedy_accept(draft_tokens: torch.LongTensor, target_tokens: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:

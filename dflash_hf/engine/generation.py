@@ -120,8 +120,8 @@ def generate(
     `eos_token_id`, `streamer`, `generation_config`, `return_dict_in_generate`, ...). Batches of left-padded prompts
     are supported; every row accepts its own prefix. `block_size`: an int up to the drafter's trained block size,
     `"adaptive"` (chosen every cycle from the measured acceptance profile and costs), or a `BlockSizePolicy`.
-    `sampling_proposal` (with `do_sample=True`): `"argmax"` (default) drafts each slot's most likely token and accepts
-    it with the target's probability of it; `"sample"` samples each slot from the drafter's own distribution.
+    `sampling_proposal` (with `do_sample=True`): `"sample"` (default) samples each slot from the drafter's own
+    distribution; `"argmax"` drafts each slot's most likely token and accepts it with the target's probability of it.
     `candidates="dflash+lookup"` (greedy, float32 or GPU targets): each cycle also verifies a prompt-lookup
     continuation of the row's own text in the same target forward (a two-branch tree, `dflash_hf.engine.tree`); the
     longer accepted branch is kept. Sampling, prefix-dependent logits processors and row-exact bf16 verification use
