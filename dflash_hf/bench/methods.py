@@ -299,8 +299,8 @@ def _engine_methods(
         BenchMethod(
             f"dflash_b{size}",
             f"dflash-hf B={size}",
-            _engine_runner(target, drafter, size),
-            f"dflash_hf.generate(block_size={size})",
+            _engine_runner(target, drafter, size, candidates="dflash"),
+            f'dflash_hf.generate(block_size={size}, candidates="dflash")',
             block_size=size,
         )
         for size in sizes
@@ -310,8 +310,8 @@ def _engine_methods(
             BenchMethod(
                 "dflash_adaptive",
                 f"dflash-hf adaptive (B<={trained})",
-                _engine_runner(target, drafter, "adaptive"),
-                'dflash_hf.generate(block_size="adaptive")',
+                _engine_runner(target, drafter, "adaptive", candidates="dflash"),
+                'dflash_hf.generate(block_size="adaptive", candidates="dflash")',
                 block_size=trained,
             )
         )
@@ -356,7 +356,9 @@ def sampling_methods(
             BenchMethod(
                 f"dflash_b{block_size}_t{temperature:g}_{proposal}",
                 f"dflash-hf B={block_size} T={temperature:g}, {proposal} proposal",
-                _engine_runner(target, drafter, int(block_size), sampling_proposal=proposal, **sample),
+                _engine_runner(
+                    target, drafter, int(block_size), sampling_proposal=proposal, candidates="dflash", **sample
+                ),
                 f"dflash_hf.generate(block_size={block_size}, do_sample=True, temperature={temperature:g}, "
                 f'sampling_proposal="{proposal}")',
                 block_size=int(block_size),

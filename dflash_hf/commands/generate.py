@@ -21,7 +21,7 @@ from ..data.prompts import encode_prompt
 from ..engine.acceptance import DEFAULT_SAMPLING_PROPOSAL, SAMPLING_PROPOSALS
 from ..engine.checks import check_context_length
 from ..engine.generation import generate
-from ..engine.generation_call import CANDIDATE_SOURCES
+from ..engine.generation_call import CANDIDATE_SOURCES, DEFAULT_CANDIDATES
 from ..modeling import DFlashConfig
 from ..runtime import Stopwatch, available_cpus, default_device
 from ..targets import resolve_drafter_dir
@@ -55,9 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--candidates",
         choices=CANDIDATE_SOURCES,
-        default="dflash",
-        help="dflash: verify the DFlash block (default); dflash+lookup: also a prompt-lookup continuation in the same "
-        "target forward (greedy only).",
+        default=DEFAULT_CANDIDATES,
+        help="dflash+lookup (default): also verify a prompt-lookup continuation in the same target forward (greedy "
+        "only); dflash: the DFlash block alone.",
     )
     parser.add_argument(
         "--sampling-proposal",

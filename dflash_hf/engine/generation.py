@@ -27,7 +27,7 @@ from ..modeling import DFlashDraftModel
 from .acceptance import DEFAULT_SAMPLING_PROPOSAL
 from .block_size import BlockSizePolicy
 from .checks import check_context_length, check_inputs, check_request
-from .generation_call import GenerationCall
+from .generation_call import DEFAULT_CANDIDATES, GenerationCall
 from .output import DFlashGenerateOutput
 
 __all__ = ["DFlashGenerateOutput", "custom_generate", "generate"]
@@ -62,7 +62,7 @@ def custom_generate(
     drafter: DFlashDraftModel | None = None,
     block_size: int | str | BlockSizePolicy | None = None,
     sampling_proposal: str = DEFAULT_SAMPLING_PROPOSAL,
-    candidates: str = "dflash",
+    candidates: str = DEFAULT_CANDIDATES,
     **model_kwargs,
 ) -> DFlashGenerateOutput | torch.LongTensor:
     """DFlash decoding as a Transformers `custom_generate` callable.
@@ -111,7 +111,7 @@ def generate(
     attention_mask: torch.Tensor | None = None,
     block_size: int | str | BlockSizePolicy | None = None,
     sampling_proposal: str = DEFAULT_SAMPLING_PROPOSAL,
-    candidates: str = "dflash",
+    candidates: str = DEFAULT_CANDIDATES,
     **kwargs,
 ) -> DFlashGenerateOutput | torch.LongTensor:
     """Lossless speculative generation with a DFlash drafter.
@@ -122,10 +122,10 @@ def generate(
     `"adaptive"` (chosen every cycle from the measured acceptance profile and costs), or a `BlockSizePolicy`.
     `sampling_proposal` (with `do_sample=True`): `"sample"` (default) samples each slot from the drafter's own
     distribution; `"argmax"` drafts each slot's most likely token and accepts it with the target's probability of it.
-    `candidates="dflash+lookup"` (greedy, float32 or GPU targets): each cycle also verifies a prompt-lookup
-    continuation of the row's own text in the same target forward (a two-branch tree, `dflash_hf.engine.tree`); the
-    longer accepted branch is kept. Sampling, prefix-dependent logits processors and row-exact bf16 verification use
-    the DFlash block alone.
+    `candidates="dflash+lookup"` (the default; greedy, float32 or GPU targets): each cycle also verifies a
+    prompt-lookup continuation of the row's own text in the same target forward (a two-branch tree,
+    `dflash_hf.engine.tree`); the longer accepted branch is kept. `candidates="dflash"` verifies the DFlash block
+    alone, as sampling, prefix-dependent logits processors and row-exact bf16 verification always do.
 
     Returns:
         A `(batch, length)` tensor like `model.generate`, or a [`DFlashGenerateOutput`] (sequences + statistics) with
