@@ -9,7 +9,7 @@ from conftest import GEMMA_SLIDING_WINDOW, greedy_reference, make_drafter, make_
 
 import dflash_hf
 import dflash_hf.engine.generation_call as generation_call
-from dflash_hf.engine.tree import lookup_continuation, path_order, tree_accept, tree_layout
+from dflash_hf.engine.tree import LookupBranchChoice, lookup_continuation, path_order, tree_accept, tree_layout
 
 MAX_NEW = 32
 
@@ -168,3 +168,25 @@ def test_sampling_uses_the_dflash_block_alone_and_bad_values_are_refused(oracle_
     assert out.lookup_wins == [] and out.sequences.shape[1] == 32
     with pytest.raises(ValueError, match="candidates must be one of"):
         dflash_hf.generate(target, drafter, input_ids, max_new_tokens=4, candidates="lookup")
+
+
+def test_lookup_branch_choice_follows_the_measured_rates():
+    """The tree is tried first, kept while its committed tokens per second beat the block's, dropped when they do
+    not, and the other choice is re-measured every `explore_every`-th eligible cycle."""
+    choice = LookupBranchChoice(explore_every=4)
+    decisions = []
+    for _ in range(12):
+        tree = choice.use_tree()
+        decisions.append(tree)
+        choice.observe(tree, committed=3.0 if tree else 1.0, seconds=0.10 if tree else 0.08)  # tree: 30 vs 12.5 tok/s
+    assert decisions == [True, True, True, False] * 3
+    assert choice.rate(True) == pytest.approx(30.0) and choice.rate(False) == pytest.approx(12.5)
+    slow = LookupBranchChoice(explore_every=4)
+    decisions = []
+    for _ in range(12):
+        tree = slow.use_tree()
+        decisions.append(tree)
+        slow.observe(tree, committed=1.0, seconds=0.2 if tree else 0.1)  # the branch is never accepted and costs more
+    assert decisions[:4] == [True, True, True, False] and decisions[4:] == [False, False, False, True] * 2
+    with pytest.raises(ValueError, match="explore_every"):
+        LookupBranchChoice(explore_every=1)

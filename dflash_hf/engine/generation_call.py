@@ -26,7 +26,14 @@ from .block_size import BlockSizePolicy, make_block_size_policy
 from .cache_ops import keep_path, select_rows, shift_cache_right, shift_right, truncate_cache
 from .output import DFlashGenerateOutput
 from .processing import BlockLogitsProcessor
-from .tree import lookup_continuation, path_order, tree_accept, tree_attention_mask, tree_layout
+from .tree import (
+    LookupBranchChoice,
+    lookup_continuation,
+    path_order,
+    tree_accept,
+    tree_attention_mask,
+    tree_layout,
+)
 
 CANDIDATE_SOURCES = ("dflash", "dflash+lookup")
 # measured: the lookup branch raised tau and speed on both bench prompt sets (README, "Two candidates per verify")
@@ -146,6 +153,7 @@ class GenerationCall:
             and (self.process.is_identity or self.process.prefix_free)
         )
         self.sliding_window = _sliding_window(target.config)
+        self.tree_choice = LookupBranchChoice()
         self.stopping_criteria = stopping_criteria
         self.stop_token_ids = _plain_stop_token_ids(stopping_criteria)
         self.streamer = streamer
@@ -295,7 +303,8 @@ class GenerationCall:
             draft_tokens, draft_probs = self._draft(state, block, block_pos)
             self._realign(state)
             lookups = self._lookups(state, block)
-            if lookups is None:
+            tree = lookups is not None and self.tree_choice.use_tree()
+            if not tree:
                 accepted, next_tokens, step = self._verify(state, block_pos, draft_tokens, draft_probs)
                 kept = self._commit(state, block, block_pos, draft_tokens, accepted, next_tokens, step)
             else:
@@ -306,7 +315,10 @@ class GenerationCall:
                 kept = self._commit(state, block, block_pos, path, accepted, next_tokens, step, order)
                 for row, lookup_won in zip(state.rows, won.tolist()):
                     self.lookup_wins[row] += int(lookup_won)
-            self.policy.observe(block, kept, time.perf_counter() - cycle_start)
+            seconds = time.perf_counter() - cycle_start
+            self.policy.observe(block, kept, seconds)
+            if lookups is not None:
+                self.tree_choice.observe(tree, sum(kept) / len(kept), seconds)
             self._drop_finished(state)
         if self.streamer is not None:
             self.streamer.end()

@@ -109,3 +109,39 @@ def path_order(accepted: torch.Tensor, lookup_won: torch.Tensor, k: int, width: 
     steps = torch.arange(width, device=accepted.device)[None, :]
     depth = torch.minimum(steps, accepted[:, None])
     return torch.where(lookup_won[:, None] & (depth > 0), k + depth, depth)
+
+
+class LookupBranchChoice:
+    """Whether a cycle whose row has a lookup continuation verifies the two-branch tree or the block alone, chosen from
+    what this call measured (in the spirit of the adaptive block size): committed tokens per second of the cycles of
+    each kind, as exponentially decayed sums. The tree is tried first (it won on both bench prompt sets); every
+    `explore_every`-th eligible cycle takes the other choice, so both rates stay measured and the choice follows
+    the machine's verify costs and this text's lookup acceptance. Both choices are lossless."""
+
+    def __init__(self, explore_every: int = 8, decay: float = 0.8) -> None:
+        if explore_every < 2:
+            raise ValueError(f"explore_every must be >= 2, got {explore_every}.")
+        self.explore_every = int(explore_every)
+        self.decay = float(decay)
+        self.tokens = {True: 0.0, False: 0.0}
+        self.seconds = {True: 0.0, False: 0.0}
+        self.eligible = 0
+
+    def rate(self, tree: bool) -> float | None:
+        """Measured committed tokens per second of tree (or block-only) cycles, `None` before the first one."""
+        return self.tokens[tree] / self.seconds[tree] if self.seconds[tree] > 0 else None
+
+    def use_tree(self) -> bool:
+        """The choice for the next eligible cycle."""
+        self.eligible += 1
+        tree, block = self.rate(True), self.rate(False)
+        best = True if tree is None or block is None else tree >= block
+        return (not best) if self.eligible % self.explore_every == 0 else best
+
+    def observe(self, tree: bool, committed: float, seconds: float) -> None:
+        """Record one eligible cycle: whether it verified the tree, the tokens it committed, its wall time."""
+        for kind in (True, False):
+            self.tokens[kind] *= self.decay if kind == tree else 1.0
+            self.seconds[kind] *= self.decay if kind == tree else 1.0
+        self.tokens[tree] += committed
+        self.seconds[tree] += seconds
