@@ -57,6 +57,32 @@ def test_coverage_every_response_position_is_an_anchor(tiny):
         assert sorted(anchors[row][valid[row]].tolist()) == expected[row].nonzero().flatten().tolist()
 
 
+def _weighted_slot_loss(trainer, target, batch, anchors, slot_loss) -> float:
+    """The block loss recomputed by hand, slot by slot: `slot_loss(target logits at p - 1, draft logits at p)`
+    weighted like the trainer's (B = 4)."""
+    from dflash_hf.trainers.masks import block_attention_mask, build_blocks
+
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    blocks = build_blocks(ids, batch["loss_mask"], *anchors, 4, trainer.mask_token_id, trainer.loss_decay_gamma)
+    adapter = TargetAdapter(target, trainer.model.config.target_layer_ids)
+    with torch.no_grad():
+        context, final = trainer.target_features(ids, mask)
+        out = trainer.model(
+            noise_embeds=adapter.embed(blocks.block_ids),
+            context_hidden_states=context,
+            position_ids=blocks.position_ids,
+            attention_mask=block_attention_mask(*anchors, ids.shape[1], 4),
+        )
+        hidden = out.last_hidden_state.view(ids.shape[0], anchors[0].shape[1], 4, -1)
+        total, weight_sum = 0.0, 0.0
+        for b, j, k in (blocks.weights > 0).nonzero().tolist():
+            pos = int(anchors[0][b, j]) + k
+            weight = float(blocks.weights[b, j, k])
+            total += weight * float(slot_loss(adapter.logits(final[b, pos - 1]), adapter.logits(hidden[b, j, k])))
+            weight_sum += weight
+    return total / weight_sum
+
+
 def test_distillation_pulls_towards_the_targets_distribution(tiny, tmp_path):
     """w=1 is exactly the cross-entropy against the target's softmax one position before each slot; w=0 is the
     hard-label loss; the mix is linear."""
@@ -75,39 +101,17 @@ def test_distillation_pulls_towards_the_targets_distribution(tiny, tmp_path):
         mixed, _ = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
     assert abs(mixed.item() - (0.75 * hard.item() + 0.25 * soft.item())) < 1e-4
     assert abs(soft.item() - hard.item()) > 1e-3
-    # reference: the soft loss recomputed by hand, slot by slot, from the target's softmax at position p - 1
-    from dflash_hf.trainers.masks import block_attention_mask, build_blocks
 
-    blocks = build_blocks(
-        batch["input_ids"], batch["loss_mask"], *anchors, 4, trainer.mask_token_id, trainer.loss_decay_gamma
-    )
-    adapter = TargetAdapter(target, trainer.model.config.target_layer_ids)
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    with torch.no_grad():
-        context, final = trainer.target_features(ids, mask)
-        out = trainer.model(
-            noise_embeds=adapter.embed(blocks.block_ids),
-            context_hidden_states=context,
-            position_ids=blocks.position_ids,
-            attention_mask=block_attention_mask(*anchors, ids.shape[1], 4),
-        )
-        hidden = out.last_hidden_state.view(ids.shape[0], anchors[0].shape[1], 4, -1)
-        total, weight_sum = 0.0, 0.0
-        for b, j, k in (blocks.weights > 0).nonzero().tolist():
-            pos = int(anchors[0][b, j]) + k
-            teacher = adapter.logits(final[b, pos - 1]).softmax(-1)
-            student = adapter.logits(hidden[b, j, k]).log_softmax(-1)
-            weight = float(blocks.weights[b, j, k])
-            total += weight * float(-(teacher * student).sum())
-            weight_sum += weight
-    assert abs(soft.item() - total / weight_sum) < 1e-4
+    # reference: the soft loss recomputed by hand, slot by slot, from the target's softmax at position p - 1
+    def soft_ce(teacher_logits, student_logits):
+        return -(teacher_logits.softmax(-1) * student_logits.log_softmax(-1)).sum()
+
+    assert abs(soft.item() - _weighted_slot_loss(trainer, target, batch, anchors, soft_ce)) < 1e-4
 
 
 def test_target_hard_labels_are_the_targets_argmax(tiny, tmp_path):
     """hard_labels='target': on regenerated data the same labels as the data's; on teacher-forced (here: corrupted)
     text the target's own argmax one position before each slot, recomputed by hand."""
-    from dflash_hf.trainers.masks import block_attention_mask, build_blocks
-
     target, tok, data = tiny
     trainer = DFlashTrainer(
         args=config(tmp_path / "a", hard_labels="target"), target=target, train_dataset=data, processing_class=tok
@@ -132,28 +136,11 @@ def test_target_hard_labels_are_the_targets_argmax(tiny, tmp_path):
     corrupted["input_ids"] = torch.where(batch["loss_mask"].bool(), noise, batch["input_ids"])
     own, given = losses(corrupted)
     assert abs(own - given) > 1e-3
-    blocks = build_blocks(
-        corrupted["input_ids"], batch["loss_mask"], *anchors, 4, trainer.mask_token_id, trainer.loss_decay_gamma
-    )
-    adapter = TargetAdapter(target, trainer.model.config.target_layer_ids)
-    ids = corrupted["input_ids"]
-    with torch.no_grad():
-        context, final = trainer.target_features(ids, batch["attention_mask"])
-        out = trainer.model(
-            noise_embeds=adapter.embed(blocks.block_ids),
-            context_hidden_states=context,
-            position_ids=blocks.position_ids,
-            attention_mask=block_attention_mask(*anchors, ids.shape[1], 4),
-        )
-        hidden = out.last_hidden_state.view(ids.shape[0], anchors[0].shape[1], 4, -1)
-        total, weight_sum = 0.0, 0.0
-        for b, j, k in (blocks.weights > 0).nonzero().tolist():
-            pos = int(anchors[0][b, j]) + k
-            label = adapter.logits(final[b, pos - 1]).argmax()
-            weight = float(blocks.weights[b, j, k])
-            total -= weight * float(adapter.logits(hidden[b, j, k]).log_softmax(-1)[label])
-            weight_sum += weight
-    assert abs(own - total / weight_sum) < 1e-4
+
+    def hard_ce(teacher_logits, student_logits):
+        return -student_logits.log_softmax(-1)[teacher_logits.argmax()]
+
+    assert abs(own - _weighted_slot_loss(trainer, target, corrupted, anchors, hard_ce)) < 1e-4
 
 
 def test_distillation_training_reaches_lower_teacher_loss(tiny, tmp_path):

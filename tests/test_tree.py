@@ -9,6 +9,7 @@ from conftest import GEMMA_SLIDING_WINDOW, greedy_reference, make_drafter, make_
 
 import dflash_hf
 import dflash_hf.engine.generation_call as generation_call
+from dflash_hf.data.batching import pad
 from dflash_hf.engine.tree import LookupBranchChoice, lookup_continuation, path_order, tree_accept, tree_layout
 
 MAX_NEW = 32
@@ -94,12 +95,9 @@ def test_batch_rows_each_keep_their_own_branch(oracle_lookup):
         target.generate(p[None], max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=[99])[0] for p in prompts
     ]
     oracle_lookup([r.tolist() for r in references])
-    width = max(len(p) for p in prompts)
-    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, p in enumerate(prompts):
-        input_ids[i, width - len(p) :] = p
-        attention_mask[i, width - len(p) :] = 1
+    input_ids = pad(prompts, 0, padding_side="left")
+    attention_mask = pad([torch.ones_like(p) for p in prompts], 0, padding_side="left")
+    width = input_ids.shape[1]
     corrupt = {(pos, slot) for pos in range(80) for slot in range(1, 4) if (pos + 2 * slot) % 4 == 0}
     oracle = make_oracle(target, [r.tolist() for r in references], corrupt=corrupt)
     for drafter in (make_drafter(target), oracle):

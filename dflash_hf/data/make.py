@@ -258,14 +258,9 @@ def make_data(
     the target's end-of-turn token) instead of generating; prompts without a reply are skipped. With `features_dir`
     the tapped features of `target_layer_ids` (and with `final_hidden` the final hidden states) of every row are
     stored there as the rows are made (`dflash_hf.data.capture`), in the format of `dflash-hf cache-features`."""
-    if responses not in RESPONSE_MODES:
-        raise ValueError(f"responses must be one of {RESPONSE_MODES}, got {responses!r}.")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
-    if max_samples is not None and max_samples < 1:
-        raise ValueError(f"max_samples must be >= 1, got {max_samples}.")
+    # one sequence (check, read prompts and finished parts, make the missing rows, publish); the signature and the
+    # docstring are a third of its length
+    _check_arguments(responses, max_new_tokens, batch_size, max_samples, features_dir, target_layer_ids)
     if use_chat_template is None:
         use_chat_template = bool(getattr(tokenizer, "chat_template", None))
     check_output_folder(out_dir)
@@ -293,13 +288,12 @@ def make_data(
     encoded = _encoded(train, done_ids, tokenizer, use_chat_template, max_prompt_tokens, skipped, responses == "source")
     recorder = None
     if features_dir is not None:
-        if not target_layer_ids:
-            raise ValueError("features_dir needs target_layer_ids (the target layers the drafter will tap).")
+        max_length = max_prompt_tokens + max_new_tokens
         recorder = FeatureRecorder(
             target,
             features_dir,
             target_layer_ids,
-            max_length=max_prompt_tokens + max_new_tokens,
+            max_length=max_length,
             final_hidden=final_hidden,
             target_name=target_name,
         )
@@ -308,7 +302,6 @@ def make_data(
     respond = _responder(target, tokenizer, responses, max_new_tokens, recorder)
     generated = _write_parts(respond, out / "parts", encoded, done, goal, batch_size, progress, recorder)
 
-    write_dataset(out, done)
     counts = {**counts, "generated_this_run": generated, "skipped_long_prompts": skipped["long"]}
     if responses == "source":
         counts["skipped_without_reply"] = skipped["no_reply"]
@@ -319,9 +312,36 @@ def make_data(
     }
     manifest = _manifest(settings, run_settings, counts, done, held)
     manifest["generation_seconds_this_run"] = round(time.time() - started, 2)
+    _publish(out, done, held, manifest)
+    return manifest
+
+
+def _check_arguments(
+    responses: str,
+    max_new_tokens: int,
+    batch_size: int,
+    max_samples: int | None,
+    features_dir: str | os.PathLike | None,
+    target_layer_ids: list[int] | None,
+) -> None:
+    """Raise a `ValueError` for [`make_data`] arguments it cannot honour, before anything is read or written."""
+    if responses not in RESPONSE_MODES:
+        raise ValueError(f"responses must be one of {RESPONSE_MODES}, got {responses!r}.")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+    if max_samples is not None and max_samples < 1:
+        raise ValueError(f"max_samples must be >= 1, got {max_samples}.")
+    if features_dir is not None and not target_layer_ids:
+        raise ValueError("features_dir needs target_layer_ids (the target layers the drafter will tap).")
+
+
+def _publish(out: Path, done: list[dict], held: list[Prompt], manifest: dict[str, Any]) -> None:
+    """(Re)write the dataset, the held-out prompts and the manifest of a make-data folder from its part records."""
+    write_dataset(out, done)
     atomic_write_text(out / "held_out.jsonl", "".join(json.dumps({"id": p.id, "prompt": p.text}) + "\n" for p in held))
     atomic_write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=1))
-    return manifest
 
 
 _RUN_COUNTS = ("generated_this_run", "skipped_long_prompts", "skipped_without_reply")

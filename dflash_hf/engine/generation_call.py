@@ -2,6 +2,9 @@
 
 [`GenerationCall`] runs prefill, then draft / re-align / verify / commit cycles until every row has stopped
 (docs/design.md, "The inference cycle"); `dflash_hf.engine.generation` holds the public entry points around it.
+The steps are methods of one class because they all read and edit the same call state (sequences, caches, active
+rows, statistics); that is why this module runs past ~400 lines. The pure parts live next to it: acceptance rules
+(`acceptance`), cache edits (`cache_ops`), block-size policies (`block_size`), the two-candidate tree (`tree`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from .tree import (
     LookupBranchChoice,
     lookup_continuation,
     path_order,
+    sliding_window_of,
     tree_accept,
     tree_attention_mask,
     tree_layout,
@@ -56,15 +60,6 @@ def _mask_or_none(mask: torch.Tensor, block: int = 0) -> torch.Tensor | None:
     if bool(mask.all()):
         return None
     return torch.cat([mask, mask.new_ones(mask.shape[0], block)], dim=1) if block else mask
-
-
-def _sliding_window(config) -> int | None:
-    """The attention window of a target with sliding-window layers (e.g. Gemma 3), else `None`."""
-    text = config.get_text_config(decoder=True)
-    layer_types = getattr(text, "layer_types", None) or []
-    if any("sliding" in str(kind) for kind in layer_types):
-        return getattr(text, "sliding_window", None)
-    return None
 
 
 def _row_exact_verification(target: PreTrainedModel, max_block: int) -> bool:
@@ -152,7 +147,7 @@ class GenerationCall:
             and not self.row_exact
             and (self.process.is_identity or self.process.prefix_free)
         )
-        self.sliding_window = _sliding_window(target.config)
+        self.sliding_window = sliding_window_of(target.config)
         self.tree_choice = LookupBranchChoice()
         self.stopping_criteria = stopping_criteria
         self.stop_token_ids = _plain_stop_token_ids(stopping_criteria)
