@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -96,7 +97,7 @@ def test_make_data_resumes_without_duplicates_or_losses(target, tmp_path, monkey
             batch_size=2,
             progress=False,
         )
-    assert len(list((tmp_path / "run" / "parts").glob("part-*.jsonl"))) == 1
+    assert len(list((tmp_path / "run" / "parts").glob("part-*.jsonl.gz"))) == 1
     assert not (tmp_path / "run" / "dataset").exists()
     monkeypatch.setattr(data_mod, "regenerate", real)
     resumed = make_data(
@@ -120,6 +121,34 @@ def test_make_data_resumes_without_duplicates_or_losses(target, tmp_path, monkey
         make_data(
             target, tok, tmp_path / "run", source=str(src), max_new_tokens=9, held_out_fraction=0.0, progress=False
         )
+
+
+def test_parts_are_gzipped_byte_stable_and_older_plain_parts_still_resume(target, tmp_path):
+    """New parts are `.jsonl.gz` (same records, same bytes: safe to keep in git); a folder whose first parts are plain
+    `.jsonl` (made by an older version) resumes after them, in order, without regenerating their rows."""
+    tok = make_tokenizer()
+    src = write_prompts(tmp_path / "p.jsonl")
+    kwargs = dict(source=str(src), max_new_tokens=8, held_out_fraction=0.0, batch_size=2, progress=False)
+    full = make_data(target, tok, tmp_path / "full", **kwargs)
+    again = make_data(target, tok, tmp_path / "again", **kwargs)
+    parts = sorted((tmp_path / "full" / "parts").glob("part-*"))
+    assert parts and all(p.name.endswith(".jsonl.gz") for p in parts)
+    assert [p.read_bytes() for p in parts] == [
+        p.read_bytes() for p in sorted((tmp_path / "again" / "parts").glob("part-*"))
+    ]
+    # an older folder: its first two batches as plain JSONL parts
+    old = tmp_path / "old" / "parts"
+    make_data(target, tok, tmp_path / "old", **{**kwargs, "max_samples": 4})
+    for part in sorted(old.glob("part-*.jsonl.gz")):
+        (old / part.name.removesuffix(".gz")).write_bytes(gzip.decompress(part.read_bytes()))
+        part.unlink()
+    resumed = make_data(target, tok, tmp_path / "old", **kwargs)
+    assert resumed["counts"]["generated_this_run"] == full["counts"]["samples"] - 4 == again["counts"]["samples"] - 4
+    names = [p.name for p in data_mod.part_files(old)]
+    assert names[:2] == ["part-000000.jsonl", "part-000001.jsonl"] and all(n.endswith(".gz") for n in names[2:])
+    a, b = load_training_data(tmp_path / "full"), load_training_data(tmp_path / "old")
+    assert list(b["id"])[:4] == list(a["id"])[:4]
+    assert {r["id"]: r["input_ids"] for r in a} == {r["id"]: r["input_ids"] for r in b}
 
 
 def test_teacher_forced_data_keeps_the_source_replies(target, tmp_path, monkeypatch):
@@ -283,21 +312,20 @@ def test_make_data_captures_features_while_it_makes_rows(target, tmp_path, monke
     kwargs = dict(
         source=str(src), max_new_tokens=10, held_out_fraction=0.0, batch_size=2, responses=responses, progress=False
     )
-    real_write = data_mod.atomic_write_text
+    real_write = data_mod.write_part
     calls = {"parts": 0}
 
-    def dying_write(path, text):
-        if path.name.startswith("part-"):
-            calls["parts"] += 1
-            if calls["parts"] == 2:  # the second batch's shard is written, its part is not
-                raise KeyboardInterrupt("killed between shard and part")
-        return real_write(path, text)
+    def dying_write(path, records):
+        calls["parts"] += 1
+        if calls["parts"] == 2:  # the second batch's shard is written, its part is not
+            raise KeyboardInterrupt("killed between shard and part")
+        return real_write(path, records)
 
-    monkeypatch.setattr(data_mod, "atomic_write_text", dying_write)
+    monkeypatch.setattr(data_mod, "write_part", dying_write)
     with pytest.raises(KeyboardInterrupt):
         make_data(target, tok, tmp_path / "d", features_dir=tmp_path / "f", target_layer_ids=[1, 3], **kwargs)
     assert len(read_index(tmp_path / "f")["shards"]) == 2  # one shard ahead of the parts
-    monkeypatch.setattr(data_mod, "atomic_write_text", real_write)
+    monkeypatch.setattr(data_mod, "write_part", real_write)
     make_data(target, tok, tmp_path / "d", features_dir=tmp_path / "f", target_layer_ids=[1, 3], **kwargs)
     data = load_training_data(tmp_path / "d")
     index = read_index(tmp_path / "f")

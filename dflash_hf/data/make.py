@@ -11,7 +11,8 @@ Output folder:
         dataset/          # `datasets.load_from_disk`: id, input_ids, loss_mask (1 on response tokens), prompt_length
         manifest.json     # target, source, counts, settings, held-out ids
         held_out.jsonl    # held-out prompts (id, prompt) for evaluation
-        parts/            # work files: one JSONL per finished batch (kept for resuming and growing the set)
+        parts/            # one gzipped JSONL per finished batch (append-only: kept for resuming and growing the set,
+                          # small enough to keep in a repository; plain .jsonl parts of older folders are read too)
 
 Resumable: each finished batch is written to `parts/` atomically (temporary name + rename). A rerun with the same
 settings skips every id already in a part and continues; a batch interrupted mid-way is simply generated again.
@@ -21,6 +22,7 @@ settings skips every id already in a part and continues; a batch interrupted mid
 from __future__ import annotations
 
 import contextlib
+import gzip
 import itertools
 import json
 import os
@@ -33,7 +35,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..fileio import atomic_write_folder, atomic_write_text
+from ..fileio import atomic_write, atomic_write_folder, atomic_write_text
 from ..special_tokens import first_token_id, token_ids
 from .batching import pad
 from .capture import FeatureRecorder
@@ -101,13 +103,24 @@ def check_output_folder(path: str | os.PathLike, flag: str = "--out") -> None:
         raise ValueError(f"{flag} {path}: {existing} is a file, not a folder; pass a folder to create or resume.")
 
 
+def part_files(parts_dir: Path) -> list[Path]:
+    """The finished parts of a make-data folder in order: `part-NNNNNN.jsonl.gz`, or plain `.jsonl` (older folders)."""
+    return sorted([*parts_dir.glob("part-*.jsonl.gz"), *parts_dir.glob("part-*.jsonl")], key=lambda path: path.name)
+
+
 def read_parts(parts_dir: Path) -> list[dict]:
     """The records of every finished part, in part order."""
     records = []
-    for part in sorted(parts_dir.glob("part-*.jsonl")):
-        with open(part, encoding="utf-8") as fh:
+    for part in part_files(parts_dir):
+        with (gzip.open if part.suffix == ".gz" else open)(part, "rt", encoding="utf-8") as fh:
             records.extend(json.loads(line) for line in fh if line.strip())
     return records
+
+
+def write_part(path: Path, records: list[dict]) -> None:
+    """Write one finished part atomically, gzipped with a fixed header (the same records give the same bytes)."""
+    data = "".join(json.dumps(r) + "\n" for r in records).encode("utf-8")
+    atomic_write(path, lambda temporary: temporary.write_bytes(gzip.compress(data, mtime=0)))
 
 
 def _check_settings(out: Path, settings: dict) -> None:
@@ -184,7 +197,7 @@ def _write_parts(
 ) -> int:
     """Make responses (`respond(batch)`) batch by batch, each batch written as a new part (after its features, with a
     `recorder`), until `done` holds `goal` records (or the prompts run out); returns how many records were made."""
-    part_no = len(list(parts.glob("part-*.jsonl")))
+    part_no = len(part_files(parts))
     generated = 0
     with tqdm(total=goal, initial=min(len(done), goal), desc="make-data", unit="sample", disable=not progress) as bar:
         while len(done) < goal:
@@ -203,7 +216,7 @@ def _write_parts(
                 ]
                 if recorder is not None:  # features first: a part never exists without its features
                     recorder.store(records, max(len(ids) for _, ids in chunk) if recorder.recorded else None)
-                atomic_write_text(parts / f"part-{part_no:06d}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+                write_part(parts / f"part-{part_no:06d}.jsonl.gz", records)
                 part_no += 1
                 done.extend(records)
                 generated += len(records)
