@@ -22,7 +22,11 @@ from dflash_hf.engine.adapters import TARGET_FAMILIES  # target `model_type` -> 
 # every metric row must carry these; `benchmark`, `block_size` and `temperature` are optional columns
 REQUIRED_METRICS = ("tau", "speedup", "hardware", "date")
 OPTIONAL_METRICS = ("benchmark", "block_size", "temperature")
-FORMAT_NAMES = {"dflash-hf": "dflash-hf (`model_type: dflash`)", "official": "official DFlash (SGLang / vLLM)"}
+FORMAT_NAMES = {
+    "dflash-hf": "dflash-hf (`model_type: dflash`)",
+    "official": "official DFlash (SGLang / vLLM)",
+    "speculators": "speculators DFlash (vLLM)",
+}
 
 
 def _template(name: str) -> Template:
@@ -110,7 +114,7 @@ def render_model_card(
         num_parameters: Number of drafter parameters.
         target_config: The target's text config; its `model_type` selects the family notes and tag.
         repo_id: Hub id the drafter will be published under, for the usage snippets (a local path otherwise).
-        format: `"dflash-hf"` or `"official"`, the checkpoint layout.
+        format: `"dflash-hf"`, `"official"` or `"speculators"`, the checkpoint layout.
         metrics: Measured benchmark rows (see [`normalize_metrics`]); without them no results are shown.
         training: Recorded training facts (data size, steps, hyper-parameters, wall time), listed as given.
         license: License fields of the target's card (`license`, optionally `license_name`, `license_link`).

@@ -56,13 +56,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--target",
         required=True,
         help="the target: named (smollm2-135m, gemma3-270m; its Hub id goes into the card), Hub id or local folder "
-        "(only its config is read)",
+        "(only its config is read, except for --format speculators)",
     )
     parser.add_argument(
         "--format",
         choices=EXPORT_FORMATS,
         default="dflash-hf",
-        help="dflash-hf (model_type dflash) or official (z-lab layout read by SGLang and vLLM)",
+        help="dflash-hf (model_type dflash), official (z-lab layout read by SGLang and vLLM) or speculators (vLLM's "
+        "speculators layout, reduced draft vocabulary included; loads the target's weights)",
     )
     parser.add_argument(
         "--metrics",

@@ -2,9 +2,12 @@
 
     >>> dflash_hf.export(drafter, "out/my-drafter", target=target, metrics=bench_rows)
     >>> dflash_hf.export(drafter, "out/my-drafter-official", target=target, format="official")  # SGLang / vLLM
+    >>> dflash_hf.export(drafter, "out/my-drafter-speculators", target=target, format="speculators")  # vLLM speculators
 
 The folder holds `config.json` (with `auto_map`), `model.safetensors`, the remote code (which imports only torch and
-transformers) and a `README.md` model card rendered from `dflash_hf.hub_cards`. It is written into a hidden staging
+transformers) and a `README.md` model card rendered from `dflash_hf.hub_cards`; the speculators layout holds its
+config, weights (with the draft vocabulary's head rows, `d2t` and `t2d`) and the card, no remote code
+(`dflash_hf.hub.speculators`). It is written into a hidden staging
 folder next to `out_dir` and renamed into place only when complete, so an interrupted export never leaves a folder
 that looks finished.
 """
@@ -21,6 +24,7 @@ from typing import Any
 
 import torch
 from huggingface_hub import metadata_load, try_to_load_from_cache
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
 from ..engine.adapters import TargetAdapter
@@ -29,8 +33,9 @@ from ..hub_cards import render_model_card
 from ..modeling import DFlashConfig, DFlashDraftModel
 from ..targets import TARGETS, is_hub_id, resolve_target_dir
 from .official import OFFICIAL_MODELING_FILE, to_official_config
+from .speculators import check_speculators_target, speculators_state_dict, to_speculators_config
 
-EXPORT_FORMATS = ("dflash-hf", "official")
+EXPORT_FORMATS = ("dflash-hf", "official", "speculators")
 DFLASH_HF_AUTO_MAP = {
     "AutoConfig": "configuration_dflash.DFlashConfig",
     "AutoModel": "modeling_dflash.DFlashDraftModel",
@@ -57,6 +62,20 @@ def _target_config(target: PreTrainedModel | PreTrainedConfig | str | os.PathLik
     return config, name
 
 
+def _target_model(target: PreTrainedModel | PreTrainedConfig | str | os.PathLike) -> PreTrainedModel:
+    """The target model itself (its LM head rows go into a speculators export): given, or loaded from its folder."""
+    if isinstance(target, PreTrainedModel):
+        return target
+    if isinstance(target, PreTrainedConfig):
+        raise ValueError(
+            "The speculators layout stores the target's LM head rows of the draft vocabulary, so it needs the target's "
+            "weights: pass the target model, its local folder or Hub id (or a named target), not only its config."
+        )
+    name = os.fspath(target)
+    path = resolve_target_dir(name) if name in TARGETS else name
+    return AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+
+
 def _check_pairing(drafter: DFlashDraftModel, target: Any, text_config: PreTrainedConfig) -> None:
     """Raise a `ValueError` unless `drafter` was built for the target (sizes, vocabulary, tapped layers)."""
     if not isinstance(target, PreTrainedModel):
@@ -78,8 +97,19 @@ def _target_license(target_name: str, base_model: str) -> dict[str, str]:
     return {}
 
 
+def _write_speculators_folder(
+    drafter: DFlashDraftModel, target: PreTrainedModel, base_model: str, folder: Path, card: str
+) -> None:
+    """Write the speculators layout into the (empty, staging) `folder`: config, weights and card, no remote code."""
+    config = to_speculators_config(drafter.config, target, base_model)
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    save_file(speculators_state_dict(drafter, target), folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "README.md").write_text(card, encoding="utf-8")
+    set_ordinary_mode(folder)
+
+
 def _write_folder(drafter: DFlashDraftModel, folder: Path, format: str, card: str) -> None:
-    """Write the export into the (empty, staging) `folder`."""
+    """Write the dflash-hf or official layout into the (empty, staging) `folder`."""
     drafter.save_pretrained(folder)
     # the remote code always comes from this package's sources, whatever class `drafter` was loaded as
     for stray in folder.glob("*.py"):
@@ -129,8 +159,10 @@ def export(
             config is read). The drafter is checked against it (hidden size, vocabulary, tapped layers).
         metrics: Measured benchmark rows for the card's results table (`tau`, `speedup`, `hardware`, `date`; see
             `dflash_hf.hub_cards.normalize_metrics`). Without them the card says no measurements are included.
-        format: `"dflash-hf"` (`model_type: dflash`, `AutoConfig`/`AutoModel` remote code) or `"official"` (the z-lab
-            layout read by SGLang and vLLM: Qwen3-style config with `dflash_config`, remote code in `dflash.py`).
+        format: `"dflash-hf"` (`model_type: dflash`, `AutoConfig`/`AutoModel` remote code), `"official"` (the z-lab
+            layout read by SGLang and vLLM: Qwen3-style config with `dflash_config`, remote code in `dflash.py`) or
+            `"speculators"` (vLLM's speculators layout, with the reduced draft vocabulary that its converter of the
+            official layout drops; needs the target's weights, refuses targets it cannot express such as Gemma).
         base_model: Hub id of the target for the card's `base_model`; defaults to the target's name when it is a Hub
             id.
         repo_id: Hub id the drafter will be published under, used in the card's usage snippets.
@@ -147,7 +179,11 @@ def export(
         raise ValueError(f"`export` writes DFlash drafters (`DFlashDraftModel`), got {type(drafter).__name__}.")
     target_config, target_name = _target_config(target)
     text_config = target_config.get_text_config(decoder=True)
+    if format == "speculators":
+        target = _target_model(target)
     _check_pairing(drafter, target, text_config)
+    if format == "speculators":
+        check_speculators_target(drafter.config, target)
     if base_model is None and target_name and not os.path.exists(target_name):
         base_model = target_name
     if base_model is None or not is_hub_id(base_model):
@@ -167,7 +203,11 @@ def export(
         license={"license": license} if license else _target_license(target_name, base_model),
     )
     out_dir = Path(out_dir)
-    _write_atomically(out_dir, overwrite, lambda staging: _write_folder(drafter, staging, format, card))
+    if format == "speculators":
+        write = lambda staging: _write_speculators_folder(drafter, target, base_model, staging, card)  # noqa: E731
+    else:
+        write = lambda staging: _write_folder(drafter, staging, format, card)  # noqa: E731
+    _write_atomically(out_dir, overwrite, write)
     return out_dir
 
 

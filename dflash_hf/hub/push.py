@@ -20,6 +20,7 @@ from transformers.utils import logging as transformers_logging
 
 from ..fileio import PICKLE_SUFFIXES
 from ..modeling import DFlashDraftModel
+from .speculators import check_speculators_folder, is_speculators_config_dict
 
 # front-matter keys every exported card carries
 REQUIRED_CARD_KEYS = ("base_model", "library_name", "pipeline_tag", "tags")
@@ -46,9 +47,10 @@ def _folder_files(folder: Path) -> list[HubFile]:
 def validate_hub_folder(folder: str | os.PathLike) -> list[HubFile]:
     """Check that `folder` is a complete, loadable DFlash drafter and return the files to upload.
 
-    Checks, without network: no pickled weights; `config.json` is a DFlash config (dflash-hf or official layout);
-    the safetensors weights match the config exactly (loaded strictly with [`DFlashDraftModel.from_pretrained`]); the
-    remote code named by `auto_map` is present; `README.md` has YAML front matter with `base_model`, `library_name`,
+    Checks, without network: no pickled weights; `config.json` is a DFlash config (dflash-hf, official or speculators
+    layout); the safetensors weights match the config exactly (loaded strictly with
+    [`DFlashDraftModel.from_pretrained`], or checked tensor by tensor for the speculators layout, which has no remote
+    code); the remote code named by `auto_map` is present; `README.md` has YAML front matter with `base_model`, `library_name`,
     `pipeline_tag` and `tags`. Raises `ValueError` (or `FileNotFoundError`) naming the problem.
     """
     folder = Path(folder)
@@ -71,6 +73,11 @@ def validate_hub_folder(folder: str | os.PathLike) -> list[HubFile]:
         except SafetensorError as err:
             message = f"{folder / name} is not a readable safetensors file ({err}); re-export the drafter."
             raise ValueError(message) from err
+    config_dict = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if is_speculators_config_dict(config_dict):
+        check_speculators_folder(folder)
+        _check_card(folder, names)
+        return files
     progress_bar = transformers_logging.is_progress_bar_enabled()
     transformers_logging.disable_progress_bar()
     try:
@@ -78,7 +85,7 @@ def validate_hub_folder(folder: str | os.PathLike) -> list[HubFile]:
     finally:
         if progress_bar:
             transformers_logging.enable_progress_bar()
-    auto_map = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("auto_map") or {}
+    auto_map = config_dict.get("auto_map") or {}
     if "AutoModel" not in auto_map:
         raise ValueError(
             f"{folder}/config.json has no `auto_map` for AutoModel, so the drafter cannot load without dflash-hf; "
@@ -88,6 +95,12 @@ def validate_hub_folder(folder: str | os.PathLike) -> list[HubFile]:
         module_file = reference.split("--")[-1].rsplit(".", 1)[0] + ".py"
         if module_file not in names:
             raise ValueError(f"`auto_map` points at {module_file}, which is missing from {folder}; re-export it.")
+    _check_card(folder, names)
+    return files
+
+
+def _check_card(folder: Path, names: set[str]) -> None:
+    """Raise a `ValueError` unless `folder` has a `README.md` card with the required front matter."""
     if "README.md" not in names:
         raise ValueError(f"{folder} has no README.md model card; export the drafter with `dflash-hf export`.")
     card = metadata_load(folder / "README.md") or {}
@@ -97,7 +110,6 @@ def validate_hub_folder(folder: str | os.PathLike) -> list[HubFile]:
             f"{folder}/README.md lacks YAML front matter keys {', '.join(missing)}; re-export it with "
             "`dflash-hf export`."
         )
-    return files
 
 
 def push_to_hub(
