@@ -326,6 +326,25 @@ def test_max_train_samples_trains_on_a_prefix(tiny, tmp_path):
         DFlashTrainingConfig(output_dir=str(tmp_path), max_train_samples=0, use_cpu=True)
 
 
+def test_skip_train_samples_trains_on_the_rows_a_grown_folder_added(tiny, tmp_path):
+    target, tok, data = tiny
+    trainer = DFlashTrainer(
+        args=config(tmp_path, skip_train_samples=1, max_train_samples=2),
+        target=target,
+        train_dataset=data,
+        processing_class=tok,
+    )
+    assert [trainer.train_dataset[i]["input_ids"] for i in range(len(trainer.train_dataset))] == [
+        data[i]["input_ids"] for i in range(1, 3)
+    ]
+    with pytest.raises(ValueError, match="leaves nothing"):
+        DFlashTrainer(
+            args=config(tmp_path, skip_train_samples=len(data)), target=target, train_dataset=data, processing_class=tok
+        )
+    with pytest.raises(ValueError, match="skip_train_samples"):
+        DFlashTrainingConfig(output_dir=str(tmp_path), skip_train_samples=-1, use_cpu=True)
+
+
 def test_train_command_reads_a_yaml_recipe_and_flags_override_it(tiny, tmp_path):
     """`dflash-hf train --config recipe.yaml` (TRL's parser): the file sets the recipe, command-line flags win."""
     import json

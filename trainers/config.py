@@ -65,7 +65,9 @@ class DFlashTrainingConfig(TrainingArguments):
         muon (`bool`, defaults to `False`): Optimise the drafter's 2-D weight matrices with `torch.optim.Muon`
             (learning rate matched to AdamW's update RMS) and the rest (norms) with AdamW.
         max_train_samples (`int`, *optional*): Train on the first N rows of the training data only (ablations on a
-            subset of a cached dataset).
+            subset of a cached dataset); counted from `skip_train_samples`.
+        skip_train_samples (`int`, defaults to `0`): Leave out the first N rows of the training data: continue a
+            drafter on the rows a grown make-data folder added since its last stage (offline features stay aligned).
         early_stopping_patience (`int`, *optional*): Stop when the evaluation metric (`metric_for_best_model`, by
             default the held-out blockwise acceptance length) has not improved for this many evaluations.
 
@@ -120,6 +122,9 @@ class DFlashTrainingConfig(TrainingArguments):
     max_train_samples: int | None = field(
         default=None, metadata={"help": "Train on the first N rows of the training data only."}
     )
+    skip_train_samples: int = field(
+        default=0, metadata={"help": "Leave out the first N rows (train on the rows a grown data folder added)."}
+    )
     early_stopping_patience: int | None = field(
         default=None, metadata={"help": "Stop after this many evaluations without improvement of the best metric."}
     )
@@ -173,6 +178,8 @@ class DFlashTrainingConfig(TrainingArguments):
             )
         if self.max_train_samples is not None and int(self.max_train_samples) < 1:
             raise ValueError(f"max_train_samples must be >= 1, got {self.max_train_samples}.")
+        if int(self.skip_train_samples) < 0:
+            raise ValueError(f"skip_train_samples must be >= 0, got {self.skip_train_samples}.")
         if self.early_stopping_patience is not None and int(self.early_stopping_patience) < 1:
             raise ValueError(f"early_stopping_patience must be >= 1, got {self.early_stopping_patience}.")
         if (self.load_best_model_at_end or self.early_stopping_patience) and self.metric_for_best_model is None:

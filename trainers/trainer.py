@@ -113,8 +113,8 @@ def _resolve_drafter(model, args: DFlashTrainingConfig, target: PreTrainedModel,
 
 
 def _training_dataset(train_dataset, args: DFlashTrainingConfig, model: DFlashDraftModel):
-    """The training rows as the trainer reads them: with cached features attached (offline) and cut to
-    `max_train_samples`."""
+    """The training rows as the trainer reads them: with cached features attached (offline), the first
+    `skip_train_samples` left out and cut to `max_train_samples`."""
     if train_dataset is None:
         return None
     if args.features == "offline":
@@ -128,9 +128,18 @@ def _training_dataset(train_dataset, args: DFlashTrainingConfig, model: DFlashDr
                 f"{args.features_dir} were cached without them: recache with `dflash-hf cache-features` (without "
                 "--no-final-hidden), use features='online', or set distill_weight 0."
             )
-    if args.max_train_samples is not None:
-        count = min(int(args.max_train_samples), len(train_dataset))
-        train_dataset = torch.utils.data.Subset(train_dataset, range(count))
+    first = int(args.skip_train_samples)
+    if first >= len(train_dataset):
+        raise ValueError(
+            f"skip_train_samples={first} leaves nothing of the {len(train_dataset)} training rows; lower it."
+        )
+    end = (
+        len(train_dataset)
+        if args.max_train_samples is None
+        else min(first + int(args.max_train_samples), len(train_dataset))
+    )
+    if (first, end) != (0, len(train_dataset)):
+        train_dataset = torch.utils.data.Subset(train_dataset, range(first, end))
     return train_dataset
 
 
