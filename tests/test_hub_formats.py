@@ -286,3 +286,58 @@ def test_official_config_without_target_layer_ids_is_refused(tmp_path):
     official_fixture(tmp_path / "official", layer_ids=None)
     with pytest.raises(ValueError, match="target_layer_ids.*never guessed"):
         DFlashDraftModel.from_pretrained(tmp_path / "official")
+
+
+def test_qwen3_8b_shaped_drafter_has_the_official_readers_shape():
+    """The examples/recipes/qwen3-8b.yaml drafter (untrained: no Qwen3-8B weights offline), built on the meta device:
+    its official config and tensor names/shapes are what SGLang / vLLM / z-lab's `DFlashDraftModel` read for the
+    published Qwen3-8B-DFlash-b16 layout (5 layers, block 16, taps 1, 9, 17, 25, 33, mask id 151669)."""
+    from dflash_hf.hub.official import to_official_config
+
+    qwen3_8b = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=False,
+    )
+    config = dflash_hf.DFlashConfig.from_target(
+        qwen3_8b, num_hidden_layers=5, block_size=16, num_target_features=5, mask_token_id=151669
+    )
+    official = to_official_config(config)
+    assert official["dflash_config"] == {
+        "mask_token_id": 151669,
+        "target_layer_ids": [1, 9, 17, 25, 33],
+        "block_size": 16,
+    }
+    assert (official["num_hidden_layers"], official["num_target_layers"], official["block_size"]) == (5, 36, 16)
+    assert official["architectures"] == ["DFlashDraftModel"] and official["model_type"] == "qwen3"
+    reader = Qwen3Config.from_dict(official)
+    assert reader.rope_parameters["rope_theta"] == 1000000.0 and reader.vocab_size == 151936
+    with torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in DFlashDraftModel(config).state_dict().items()}
+    hidden, q, kv, ffn = 4096, 32 * 128, 8 * 128, 12288
+    expected = {"fc.weight": (hidden, 5 * hidden), "hidden_norm.weight": (hidden,), "norm.weight": (hidden,)}
+    for i in range(5):
+        expected.update(
+            {
+                f"layers.{i}.input_layernorm.weight": (hidden,),
+                f"layers.{i}.post_attention_layernorm.weight": (hidden,),
+                f"layers.{i}.self_attn.q_proj.weight": (q, hidden),
+                f"layers.{i}.self_attn.k_proj.weight": (kv, hidden),
+                f"layers.{i}.self_attn.v_proj.weight": (kv, hidden),
+                f"layers.{i}.self_attn.o_proj.weight": (hidden, q),
+                f"layers.{i}.self_attn.q_norm.weight": (128,),
+                f"layers.{i}.self_attn.k_norm.weight": (128,),
+                f"layers.{i}.mlp.gate_proj.weight": (ffn, hidden),
+                f"layers.{i}.mlp.up_proj.weight": (ffn, hidden),
+                f"layers.{i}.mlp.down_proj.weight": (hidden, ffn),
+            }
+        )
+    assert shapes == expected

@@ -24,7 +24,9 @@ BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 def reduced_pair():
     target = make_target("llama")
     drafter = make_drafter(target, draft_vocab_size=24)
-    drafter.set_draft_vocabulary(torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(3))[:24])
+    drafter.set_draft_vocabulary(
+        torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(3))[:24]
+    )
     return target, drafter
 
 

@@ -42,7 +42,7 @@ class DFlashScriptArguments:
         default=None, metadata={"help": "Final Hub-ready drafter (default OUTPUT_DIR/final)."}
     )
     export_format: str = field(
-        default="dflash-hf", metadata={"help": "'dflash-hf' or 'official' (SGLang/vLLM layout)."}
+        default="dflash-hf", metadata={"help": "'dflash-hf', 'official' (SGLang/vLLM layout) or 'speculators' (vLLM)."}
     )
     base_model: str | None = field(
         default=None, metadata={"help": "Hub id of the target for the model card (needed when --target is a folder)."}
