@@ -419,9 +419,9 @@ def test_a_saved_bf16_drafter_continues_training_in_fp32(tiny, tmp_path):
 )
 def test_shipped_recipes_parse(recipe):
     """Every recipe under examples/recipes/ is a valid `dflash-hf train --config` file."""
-    from dflash_hf.commands.train import _trl_parser
-
     import yaml
+
+    from dflash_hf.commands.train import _trl_parser
 
     # --use_cpu: GPU recipes (qwen3-8b.yaml: bf16) are parsed on this CPU-only machine too
     script, config = _trl_parser().parse_args_and_config(["--config", str(recipe), "--use_cpu", "true"])
