@@ -73,7 +73,10 @@ def validate_hub_folder(folder: str | os.PathLike) -> list[HubFile]:
         except SafetensorError as err:
             message = f"{folder / name} is not a readable safetensors file ({err}); re-export the drafter."
             raise ValueError(message) from err
-    config_dict = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    try:
+        config_dict = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{folder}/config.json is not valid JSON ({err}); re-export the drafter.") from err
     if is_speculators_config_dict(config_dict):
         check_speculators_folder(folder)
         _check_card(folder, names)
