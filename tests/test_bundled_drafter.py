@@ -81,3 +81,15 @@ def test_both_generation_paths_match_greedy_on_the_real_target(smollm2):
         )
         ours = dflash_hf.generate(target, drafter, ids, max_new_tokens=32, block_size="adaptive")
         assert torch.equal(native, greedy) and torch.equal(ours, greedy)
+
+
+@pytest.mark.parametrize("layout", ["dflash-hf", "official", "speculators"])
+def test_bundled_drafter_exports_release_ready_folders(smollm2, layout, tmp_path):
+    """`dflash-hf export` of the bundled drafter in every layout is a folder `dflash-hf push --dry-run` accepts."""
+    target, _ = smollm2
+    drafter = dflash_hf.DFlashDraftModel.from_pretrained(BUNDLED)
+    folder = dflash_hf.export(
+        drafter, tmp_path / layout, target=target, base_model="HuggingFaceTB/SmolLM2-135M-Instruct", format=layout
+    )
+    names = {file.path for file in dflash_hf.validate_hub_folder(folder)}
+    assert {"config.json", "model.safetensors", "README.md"} <= names
