@@ -65,8 +65,9 @@ def test_tree_layout_mask_positions_and_acceptance():
     # target argmax per node: row 0 accepts 1 draft but 2 lookup tokens; row 1 has no lookup and accepts 2 drafts
     target = torch.tensor([[11, 0, 0, 32, 40, 0], [21, 22, 23, 0, 0, 0]])
     target[0, 0] = 31  # the root predicts the lookup branch's first token
-    accepted, next_token, won = tree_accept(ids, target, 2, valid)
+    accepted, next_token, won, block_accepted = tree_accept(ids, target, 2, valid)
     assert accepted.tolist() == [2, 2] and won.tolist() == [True, False] and next_token.tolist() == [40, 23]
+    assert block_accepted.tolist() == [0, 2]  # what the block alone got, which the block-size policy learns from
     assert path_order(accepted, won, 2, 3).tolist() == [[0, 3, 4], [0, 1, 2]]
 
 
@@ -188,3 +189,34 @@ def test_lookup_branch_choice_follows_the_measured_rates():
     assert decisions[:4] == [True, True, True, False] and decisions[4:] == [False, False, False, True] * 2
     with pytest.raises(ValueError, match="explore_every"):
         LookupBranchChoice(explore_every=1)
+
+
+def test_adaptive_block_size_learns_the_block_not_the_lookup_wins(oracle_lookup, monkeypatch):
+    """In tree cycles the block-size policy observes what the DFlash block alone got accepted: a random drafter with an
+    accurate lookup branch must not look like a drafter whose late slots are accepted."""
+    from dflash_hf.engine.block_size import AdaptiveBlockSize
+
+    target = make_target("llama")
+    input_ids = _prompt(7, 15)
+    reference = target.generate(input_ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=[99])
+    oracle_lookup([reference[0].tolist()])
+    observed: list[int] = []
+    real_observe = AdaptiveBlockSize.observe
+
+    def spy(self, block_size, committed, seconds):
+        observed.extend(committed)
+        return real_observe(self, block_size, committed, seconds)
+
+    monkeypatch.setattr(AdaptiveBlockSize, "observe", spy)
+    out = dflash_hf.generate(
+        target,
+        make_drafter(target, block_size=8),
+        input_ids,
+        max_new_tokens=MAX_NEW,
+        block_size="adaptive",
+        eos_token_id=[99],
+        return_dict_in_generate=True,
+    )
+    assert torch.equal(out.sequences, reference)
+    assert sum(out.lookup_wins) > 0 and max(out.accepted_lengths[0]) >= 3  # the lookup branch committed runs
+    assert max(observed) <= 2  # a random block gets at most one token accepted here, whatever the lookup got

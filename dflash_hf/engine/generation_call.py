@@ -303,15 +303,14 @@ class GenerationCall:
                 accepted, next_tokens, step = self._verify(state, block_pos, draft_tokens, draft_probs)
                 kept = self._commit(state, block, block_pos, draft_tokens, accepted, next_tokens, step)
             else:
-                accepted, next_tokens, step, order, won, ids = self._verify_tree(
-                    state, block_pos, draft_tokens, lookups
-                )
+                result, step, order, ids = self._verify_tree(state, block_pos, draft_tokens, lookups)
                 path = ids.gather(1, order)[:, 1:]
-                kept = self._commit(state, block, block_pos, path, accepted, next_tokens, step, order)
-                for row, lookup_won in zip(state.rows, won.tolist()):
+                kept = self._commit(state, block, block_pos, path, result.accepted, result.next_token, step, order)
+                for row, lookup_won in zip(state.rows, result.lookup_won.tolist()):
                     self.lookup_wins[row] += int(lookup_won)
             seconds = time.perf_counter() - cycle_start
-            self.policy.observe(block, kept, seconds)
+            # the block-size policy learns the DFlash block's own acceptance, not the lookup branch's wins
+            self.policy.observe(block, kept if not tree else (result.block_accepted + 1).tolist(), seconds)
             if lookups is not None:
                 self.tree_choice.observe(tree, sum(kept) / len(kept), seconds)
             self._drop_finished(state)
@@ -393,17 +392,17 @@ class GenerationCall:
         return self.sequences[row, padding : self.lengths[row]].tolist()
 
     def _verify_tree(self, state: _ActiveRows, block_pos, draft_tokens, lookups: list[list[int]]):
-        """4b. One target forward over the tree `[anchor, drafts, lookup]`; returns `(accepted, next tokens, target
-        step, path order, lookup won, tree ids)`."""
+        """4b. One target forward over the tree `[anchor, drafts, lookup]`; returns `(acceptance, target step, path
+        order, tree ids)`."""
         ids, positions, sees, valid = tree_layout(state.anchors, draft_tokens, lookups, block_pos[:, 0])
         with self.verify_timer:
             dtype = self.adapter.embed_tokens.weight.dtype
             mask = tree_attention_mask(state.mask, sees, dtype, positions, self.sliding_window)
             step = self.adapter.forward(ids, mask, positions, self.target_cache)
             scores = self.process(self.adapter.logits(step.last_hidden_state), lambda: [])
-            accepted, next_tokens, lookup_won = tree_accept(ids, scores.argmax(dim=-1), draft_tokens.shape[1], valid)
-        order = path_order(accepted, lookup_won, draft_tokens.shape[1], int(accepted.max()) + 1)
-        return accepted, next_tokens, step, order, lookup_won, ids
+            result = tree_accept(ids, scores.argmax(dim=-1), draft_tokens.shape[1], valid)
+        order = path_order(result.accepted, result.lookup_won, draft_tokens.shape[1], int(result.accepted.max()) + 1)
+        return result, step, order, ids
 
     def _commit(
         self, state: _ActiveRows, block: int, block_pos, path_tokens, accepted, next_tokens, step, order=None

@@ -10,6 +10,8 @@ context features keep only that path ([`path_order`] lists its node indices).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 LOOKUP_NGRAM_SIZES = (3, 2)  # longest n-gram first, as prompt lookup does; 1-grams match too often to pay
@@ -94,11 +96,19 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill_(~visible, torch.finfo(dtype).min)
 
 
+class TreeAcceptance(NamedTuple):
+    """What greedy verification of the two-branch tree accepted, per row."""
+
+    accepted: torch.Tensor  # tokens accepted on the winning branch
+    next_token: torch.Tensor  # the target's token after them
+    lookup_won: torch.Tensor  # whether the lookup branch won
+    block_accepted: torch.Tensor  # tokens the DFlash block alone would have had accepted (for the block-size policy)
+
+
 def tree_accept(
     ids: torch.LongTensor, target_tokens: torch.LongTensor, k: int, lookup_valid: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy acceptance on both branches: `(accepted, next_token, lookup_won)` per row, where `accepted` counts the
-    winning branch's accepted tokens and `next_token` is the target's token after them.
+) -> TreeAcceptance:
+    """Greedy acceptance on both branches of the tree `ids` (`[anchor, k drafts, lookup tokens]`).
 
     `target_tokens[:, j]` is the target's argmax at node `j` (its prediction of node j's child)."""
     m = ids.shape[1] - 1 - k
@@ -110,7 +120,7 @@ def tree_accept(
     accepted = torch.where(lookup_won, lookup, dflash)
     last = torch.where(lookup_won & (lookup > 0), k + lookup, dflash)
     next_token = target_tokens.gather(1, last[:, None]).squeeze(1)
-    return accepted, next_token, lookup_won
+    return TreeAcceptance(accepted, next_token, lookup_won, dflash)
 
 
 def path_order(accepted: torch.Tensor, lookup_won: torch.Tensor, k: int, width: int) -> torch.LongTensor:
