@@ -11,6 +11,7 @@ from dflash_hf.trainers import (
     DFlashTrainingConfig,
     block_attention_mask,
     build_blocks,
+    decoding_walk,
     default_loss_decay_gamma,
     implied_acceptance_length,
     sample_anchors,
@@ -108,6 +109,17 @@ def test_labels_are_same_position_tokens():
             assert out.position_ids[0, seq + j * block + k] == a + k
     assert torch.equal(out.position_ids[0, :seq], torch.arange(seq))
     assert out.weights[0, 2, 3] == 0 and out.weights[0, 2, 2] > 0  # position 18 is not a response token
+
+
+def test_decoding_walk_anchors_where_the_previous_block_stopped():
+    # row 0: anchors 5..10; accepted drafts 2 at 5 -> 3 tokens, next block at 8: 0 -> 1 token, at 9: 1 -> 2 tokens
+    prefix = torch.tensor([[2, 3, 3, 0, 1, 1], [0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0]])
+    anchors = torch.tensor([[5, 6, 7, 8, 9, 10], [3, 4, 5, 0, 0, 0], [2, 4, 6, 8, 0, 0]])
+    valid = torch.tensor([[True] * 6, [True, True, True, False, False, False], [True] * 4 + [False, False]])
+    # row 1: three 1-token cycles; row 2 (random, not consecutive anchors) is skipped
+    assert decoding_walk(prefix, anchors, valid) == (3 + 1 + 2 + 3, 3 + 3)
+    # a mean over every anchor would say (2+3+3+0+1+1)/6 + 1 = 2.67 for row 0; decoding gets 6 tokens in 3 cycles
+    assert decoding_walk(prefix[:1], anchors[:1], valid[:1]) == (6, 3)
 
 
 def test_implied_acceptance_length():

@@ -283,6 +283,7 @@ def test_held_out_acceptance_selects_the_best_checkpoint(tiny, tmp_path):
     again = trainer.evaluate()
     assert first["eval_acceptance_length_blockwise"] == again["eval_acceptance_length_blockwise"]
     assert "eval_accuracy_slot_1" in first
+    assert 1.0 <= first["eval_acceptance_length_decoding"] <= args.block_size
     trainer.train()
     evals = [e for e in trainer.state.log_history if "eval_acceptance_length_blockwise" in e]
     assert len(evals) == 3

@@ -11,6 +11,7 @@ from .config import DFlashTrainingConfig
 from .masks import (
     block_attention_mask,
     build_blocks,
+    decoding_walk,
     default_loss_decay_gamma,
     flex_block_mask,
     implied_acceptance_length,
@@ -27,6 +28,7 @@ __all__ = [
     "build_blocks",
     "default_loss_decay_gamma",
     "flex_block_mask",
+    "decoding_walk",
     "implied_acceptance_length",
     "sample_anchors",
     "slot_loss_weights",

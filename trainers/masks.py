@@ -188,3 +188,25 @@ def implied_acceptance_length(slot_accuracy: list[float]) -> float:
         run *= acc
         total += run
     return total
+
+
+def decoding_walk(prefix: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor) -> tuple[int, int]:
+    """Greedy speculative decoding replayed on each row's own response: `(committed tokens, verify cycles)`.
+
+    `prefix[r, j]` is the number of drafts the target accepts in the block anchored at `anchors[r, j]`. The first
+    block is anchored at the row's first valid anchor and each next one where the previous stopped (its accepted
+    drafts plus the bonus token later), which is where decoding puts them: after a rejection, unlike a mean over every
+    anchor. Needs every valid anchor of the row, consecutive (the evaluation's anchors); rows whose anchors are not
+    are skipped."""
+    tokens = cycles = 0
+    for row_prefix, row_anchors, row_valid in zip(prefix.tolist(), anchors.tolist(), anchor_valid.tolist()):
+        count = sum(row_valid)
+        if count == 0 or row_anchors[:count] != list(range(row_anchors[0], row_anchors[0] + count)):
+            continue
+        j = 0
+        while j < count:
+            committed = row_prefix[j] + 1
+            tokens += committed
+            cycles += 1
+            j += committed
+    return tokens, cycles

@@ -26,7 +26,9 @@ and its LM head stay frozen (a PEFT/LoRA-adapted target is frozen too, adapters 
 Logged metrics (train and eval): `loss`, `accuracy` (all slots), `accuracy_slot_{k}` for k = 1..B-1,
 `acceptance_length` (implied by the per-slot accuracies: `1 + sum_k prod_{i<=k} acc_i`) and
 `acceptance_length_blockwise` (mean accepted prefix + 1 measured block by block, what greedy verification would
-accept against the training data).
+accept against the training data); evaluation also logs `acceptance_length_decoding` (greedy speculative decoding
+replayed on each held-out response, blocks anchored where the previous one stopped: the tau a bench measures on such
+text, lower than the blockwise mean because decoding anchors after rejections).
 
 Checkpoints hold no pickles (the project's safetensors-only rule): the Trainer's optimizer, scheduler, scaler, RNG
 and training-argument hooks are overridden to write safetensors + JSON, and resuming from a folder with pickle files
@@ -52,6 +54,7 @@ from .initialisation import initialise_from_target
 from .masks import (
     block_attention_mask,
     build_blocks,
+    decoding_walk,
     flex_block_mask,
     implied_acceptance_length,
     sample_anchors,
@@ -255,6 +258,8 @@ class DFlashTrainer(PickleFreeCheckpoints):
             "slot_total": torch.zeros(self.block_size, device=device, dtype=torch.float64),
             "prefix_sum": torch.zeros((), device=device, dtype=torch.float64),
             "blocks": torch.zeros((), device=device, dtype=torch.float64),
+            "walk_tokens": torch.zeros((), device=device, dtype=torch.float64),
+            "walk_cycles": torch.zeros((), device=device, dtype=torch.float64),
         }
 
     @torch.no_grad()
@@ -359,7 +364,7 @@ class DFlashTrainer(PickleFreeCheckpoints):
         loss = (ce * weights).sum() / weights.sum()
         correct = torch.zeros_like(selected)
         correct[selected] = logits.argmax(dim=-1) == labels
-        return loss, {"correct": correct, "selected": selected, "anchor_valid": anchor_valid}
+        return loss, {"correct": correct, "selected": selected, "anchors": anchor_ids, "anchor_valid": anchor_valid}
 
     def _teacher_probs(self, teacher: torch.Tensor, positions: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
         """The target's own next-token distribution for each labelled slot (the distillation teacher): its final hidden
@@ -381,6 +386,10 @@ class DFlashTrainer(PickleFreeCheckpoints):
             valid = stats["anchor_valid"]
             sums["prefix_sum"] += prefix[valid].sum().to(torch.float64)
             sums["blocks"] += valid.sum().to(torch.float64)
+            if mode == "eval":  # every valid anchor: decoding can be replayed
+                tokens, cycles = decoding_walk(prefix, stats["anchors"], valid)
+                sums["walk_tokens"] += tokens
+                sums["walk_cycles"] += cycles
 
     # ---------------------------------------------------------------- Trainer hooks
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -418,6 +427,8 @@ class DFlashTrainer(PickleFreeCheckpoints):
         metrics["acceptance_length"] = implied_acceptance_length(slot_acc)
         if float(reduced["blocks"]) > 0:
             metrics["acceptance_length_blockwise"] = 1.0 + float(reduced["prefix_sum"] / reduced["blocks"])
+        if float(reduced["walk_cycles"]) > 0:
+            metrics["acceptance_length_decoding"] = float(reduced["walk_tokens"] / reduced["walk_cycles"])
         return metrics
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
