@@ -203,10 +203,13 @@ def export(
         license={"license": license} if license else _target_license(target_name, base_model),
     )
     out_dir = Path(out_dir)
-    if format == "speculators":
-        write = lambda staging: _write_speculators_folder(drafter, target, base_model, staging, card)  # noqa: E731
-    else:
-        write = lambda staging: _write_folder(drafter, staging, format, card)  # noqa: E731
+
+    def write(staging: Path) -> None:
+        if format == "speculators":
+            _write_speculators_folder(drafter, target, base_model, staging, card)
+        else:
+            _write_folder(drafter, staging, format, card)
+
     _write_atomically(out_dir, overwrite, write)
     return out_dir
 
