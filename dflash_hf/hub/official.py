@@ -22,9 +22,9 @@ OFFICIAL_ARCHITECTURE = "DFlashDraftModel"
 # The remote-code module an official checkpoint's `auto_map` points at; exports ship our modeling file under this name.
 OFFICIAL_MODELING_FILE = "dflash.py"
 
-# Architecture fields shared verbatim by `DFlashConfig` and the Qwen3-style official config.
-_SHARED_KEYS = (
-    "vocab_size",
+# Draft-layer fields shared verbatim by `DFlashConfig` and a Qwen3 config (the official layout's config, and the
+# `transformer_layer_config` of the speculators layout).
+DRAFT_LAYER_KEYS = (
     "hidden_size",
     "intermediate_size",
     "num_hidden_layers",
@@ -38,6 +38,7 @@ _SHARED_KEYS = (
     "attention_dropout",
     "initializer_range",
 )
+_SHARED_KEYS = ("vocab_size", *DRAFT_LAYER_KEYS)
 
 
 def to_official_config(config: DFlashConfig) -> dict[str, Any]:
@@ -80,4 +81,10 @@ def to_official_config(config: DFlashConfig) -> dict[str, Any]:
     return official
 
 
-__all__ = ["OFFICIAL_ARCHITECTURE", "OFFICIAL_MODELING_FILE", "OFFICIAL_MODEL_TYPE", "to_official_config"]
+__all__ = [
+    "DRAFT_LAYER_KEYS",
+    "OFFICIAL_ARCHITECTURE",
+    "OFFICIAL_MODELING_FILE",
+    "OFFICIAL_MODEL_TYPE",
+    "to_official_config",
+]

@@ -36,25 +36,10 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..modeling import DFlashConfig, DFlashDraftModel
+from .official import DRAFT_LAYER_KEYS
 
 # The speculators release whose DFlash format this module writes and `examples/interop/` checks.
 SPECULATORS_VERSION = "0.9.0"
-
-# Draft-layer fields copied into `transformer_layer_config` (a Qwen3 config).
-_LAYER_KEYS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_act",
-    "rms_norm_eps",
-    "max_position_embeddings",
-    "attention_bias",
-    "attention_dropout",
-    "initializer_range",
-)
 
 
 def check_speculators_target(config: DFlashConfig, target: PreTrainedModel) -> None:
@@ -85,7 +70,7 @@ def to_speculators_config(config: DFlashConfig, target: PreTrainedModel, base_mo
     text_config = target.config.get_text_config(decoder=True)
     vocab_size = int(text_config.vocab_size)
     rope = dict(config.rope_parameters or {})
-    layers = {key: getattr(config, key) for key in _LAYER_KEYS}
+    layers = {key: getattr(config, key) for key in DRAFT_LAYER_KEYS}
     transformer_layer_config = {
         "model_type": "qwen3",
         **layers,
@@ -158,13 +143,13 @@ def config_from_speculators(config_dict: dict) -> DFlashConfig:
     """The [`DFlashConfig`] of the draft body described by a speculators DFlash `config_dict`."""
     layers = config_dict.get("transformer_layer_config") or {}
     missing = [key for key in ("block_size", "mask_token_id", "aux_hidden_state_layer_ids") if key not in config_dict]
-    missing += [f"transformer_layer_config.{key}" for key in (*_LAYER_KEYS, "vocab_size") if key not in layers]
+    missing += [f"transformer_layer_config.{key}" for key in (*DRAFT_LAYER_KEYS, "vocab_size") if key not in layers]
     if missing:
         raise ValueError(f"The speculators DFlash config lacks {', '.join(missing)}; re-export the drafter.")
     vocab_size = int(layers["vocab_size"])
     draft_vocab_size = int(config_dict.get("draft_vocab_size") or vocab_size)
     return DFlashConfig(
-        **{key: layers[key] for key in _LAYER_KEYS},
+        **{key: layers[key] for key in DRAFT_LAYER_KEYS},
         vocab_size=vocab_size,
         draft_vocab_size=draft_vocab_size if draft_vocab_size != vocab_size else None,
         rope_parameters=layers.get("rope_parameters"),
