@@ -240,6 +240,8 @@ def test_outputs_json_schema_plots_and_readme_section(result, tmp_path):
     assert section.startswith("## Results\n") and table in section
     assert "![Speedup by method](docs/bench/speedup.png)" in section
     assert document["hardware"]["cpu"] in section and document["date"] in section
+    lengths = [len(ids) for ids in PROMPTS]
+    assert f"({min(lengths)}-{max(lengths)} prompt tokens)" in section
     assert (out / bench.MARKDOWN_NAME).read_text() == bench.render_markdown(document, ".")
     # the engine-kernel greedy baseline and the lookup branch get their own columns; the cost profile its table and plot
     assert table.splitlines()[0].endswith("| exact | vs greedy with engine kernels | lookup branch won |")
@@ -298,6 +300,13 @@ def test_prompt_sources(tmp_path):
     # the first user turn in the chat template (the role words are not in the tiny vocabulary)
     assert tokenizer.decode(prompts[0].input_ids) == "<s> <unk> the cat sat </s> <s> <unk>"
     plain, _ = bench.load_bench_prompts(str(source), tokenizer, num_prompts=1, use_chat_template=False)
+    # a long-context run keeps only the prompts of at least min_prompt_tokens
+    long, info = bench.load_bench_prompts(
+        str(source), tokenizer, num_prompts=5, max_prompt_tokens=400, min_prompt_tokens=41
+    )
+    assert [len(p.input_ids) > 40 for p in long] == [True] and info["skipped_too_short"] == 2
+    with pytest.raises(ValueError, match="min_prompt_tokens"):
+        bench.load_bench_prompts(str(source), tokenizer, num_prompts=5, max_prompt_tokens=10, min_prompt_tokens=11)
     assert tokenizer.decode(plain[0].input_ids) == "the cat sat"
 
     folder = tmp_path / "made"
@@ -382,6 +391,7 @@ def test_cli_mismatch_exit_status(folders, tmp_path, capsys, monkeypatch):
         (["--num-prompts", "0"], "--num-prompts must be >= 1"),
         (["--block-sizes", "8,16"], "None of the block sizes"),
         (["--prompts", "nowhere"], "Unknown prompt set"),
+        (["--min-prompt-tokens", "600", "--max-prompt-tokens", "512"], "--min-prompt-tokens 600 exceeds"),
         (["--temperatures", "0.7", "--sampling-block-size", "9"], "sampling block size must be in [2, 4]"),
     ],
 )

@@ -109,6 +109,9 @@ def render_markdown(
     settings, hardware = document["settings"], document["hardware"]
     prompts = settings.get("prompt_set") or {}
     source = prompts.get("description", settings.get("prompts", "custom prompts"))
+    lengths = [p["prompt_tokens"] for p in document.get("prompts", [])]
+    if lengths:
+        source += f" ({min(lengths)}-{max(lengths)} prompt tokens)"
     gpu = f", GPU {hardware['gpu']}" if hardware.get("gpu") else ""
     drafter = str(settings.get("drafter", "given")).replace("\\", "/")
     in_package = drafter.split("/dflash_hf/bundled/")

@@ -43,6 +43,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="Most new tokens per prompt (default: 128).")
     parser.add_argument("--max-prompt-tokens", type=int, default=512, help="Skip longer prompts (default: 512 tokens).")
     parser.add_argument(
+        "--min-prompt-tokens",
+        type=int,
+        default=1,
+        help="Skip shorter prompts: a long-context run, e.g. prompts longer than a sliding window (default: 1).",
+    )
+    parser.add_argument(
         "--block-sizes",
         type=comma_separated_ints,
         default=list(bench.DEFAULT_BLOCK_SIZES),
@@ -111,6 +117,7 @@ def _command_line(args: argparse.Namespace, drafter: Path, threads: int | None) 
         "--num-prompts", str(args.num_prompts),
         "--max-new-tokens", str(args.max_new_tokens),
         "--max-prompt-tokens", str(args.max_prompt_tokens),
+        "--min-prompt-tokens", str(args.min_prompt_tokens),
         "--block-sizes", ",".join(map(str, args.block_sizes)),
         "--prompt-lookup-tokens", str(args.prompt_lookup_tokens),
         "--warmup-tokens", str(args.warmup_tokens),
@@ -142,11 +149,17 @@ def _check(args: argparse.Namespace) -> None:
         ("--num-prompts", args.num_prompts, 1),
         ("--max-new-tokens", args.max_new_tokens, 1),
         ("--max-prompt-tokens", args.max_prompt_tokens, 1),
+        ("--min-prompt-tokens", args.min_prompt_tokens, 1),
         ("--prompt-lookup-tokens", args.prompt_lookup_tokens, 1),
         ("--warmup-tokens", args.warmup_tokens, 0),
     ):
         if value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}.")
+    if args.min_prompt_tokens > args.max_prompt_tokens:
+        raise ValueError(
+            f"--min-prompt-tokens {args.min_prompt_tokens} exceeds --max-prompt-tokens {args.max_prompt_tokens}: no "
+            "prompt could be used."
+        )
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}.")
     if args.out.exists() and not args.out.is_dir():
@@ -176,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
         num_prompts=args.num_prompts,
         max_prompt_tokens=args.max_prompt_tokens,
         use_chat_template=False if args.no_chat_template else None,
+        min_prompt_tokens=args.min_prompt_tokens,
     )
     methods = bench.default_methods(
         target,

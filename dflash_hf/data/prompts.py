@@ -352,8 +352,10 @@ def load_bench_prompts(
     num_prompts: int,
     max_prompt_tokens: int = 512,
     use_chat_template: bool | None = None,
+    min_prompt_tokens: int = 1,
 ) -> tuple[list[BenchPrompt], dict[str, Any]]:
-    """Read and tokenize the first `num_prompts` prompts of a prompt set that fit in `max_prompt_tokens`.
+    """Read and tokenize the first `num_prompts` prompts of a prompt set whose length lies in
+    `[min_prompt_tokens, max_prompt_tokens]`.
 
     Args:
         source: `humaneval` (the HumanEval problems, evaluation only), `sharegpt` (the ShareGPT held-out split as this
@@ -365,31 +367,38 @@ def load_bench_prompts(
         num_prompts: How many prompts to keep.
         max_prompt_tokens: Longer prompts are skipped (and counted).
         use_chat_template: Wrap each prompt as a user turn in the tokenizer's chat template (default: when it has one).
+        min_prompt_tokens: Shorter prompts are skipped (and counted): a long-context benchmark, e.g. prompts longer
+            than a sliding attention window.
 
     Returns:
         `(prompts, description)`; the description records the source, the chat-template use and the skip counts.
     """
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}.")
-    if max_prompt_tokens < 1:
-        raise ValueError(f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}.")
+    if not 1 <= min_prompt_tokens <= max_prompt_tokens:
+        raise ValueError(
+            f"Need 1 <= min_prompt_tokens <= max_prompt_tokens, got {min_prompt_tokens} and {max_prompt_tokens}."
+        )
     if use_chat_template is None:
         use_chat_template = bool(getattr(tokenizer, "chat_template", None))
     pairs, description = _texts_of(source)
     prompts: list[BenchPrompt] = []
-    too_long = 0
+    too_long = too_short = 0
     for prompt_id, text in pairs:
         ids = encode_prompt(tokenizer, text, use_chat_template)
         if len(ids) > max_prompt_tokens:
             too_long += 1
+            continue
+        if len(ids) < min_prompt_tokens:
+            too_short += 1
             continue
         prompts.append(BenchPrompt(id=str(prompt_id), input_ids=ids, text=text))
         if len(prompts) == num_prompts:
             break
     if not prompts:
         raise ValueError(
-            f"No prompt of {source!r} fits in {max_prompt_tokens} tokens ({len(pairs)} read): raise "
-            "--max-prompt-tokens or use another prompt set."
+            f"No prompt of {source!r} has {min_prompt_tokens} to {max_prompt_tokens} tokens ({len(pairs)} read): "
+            "widen --min-prompt-tokens/--max-prompt-tokens or use another prompt set."
         )
     info = {
         "source": source,
@@ -397,6 +406,8 @@ def load_bench_prompts(
         "chat_template": use_chat_template,
         "available": len(pairs),
         "skipped_too_long": too_long,
+        "skipped_too_short": too_short,
+        "min_prompt_tokens": min_prompt_tokens,
         "used": len(prompts),
     }
     return prompts, info
