@@ -229,8 +229,10 @@ def test_bad_config_is_rejected(tmp_path):
         DFlashTrainer(args=DFlashTrainingConfig(output_dir=str(tmp_path), use_cpu=True))
 
 
-def test_reduced_draft_vocabulary_from_response_tokens(tiny, tmp_path):
+def test_reduced_draft_vocabulary_from_response_tokens(tiny, tmp_path, caplog):
     from collections import Counter
+
+    from dflash_hf.trainers.vocabulary import frequent_response_tokens
 
     target, tok, data, _ = tiny
     counts = Counter(t for row in data for t, m in zip(row["input_ids"], row["loss_mask"]) if m)
@@ -242,6 +244,10 @@ def test_reduced_draft_vocabulary_from_response_tokens(tiny, tmp_path):
     assert chosen == sorted(chosen) and len(chosen) == size
     left_out = [c for t, c in counts.items() if t not in chosen]
     assert not left_out or min(counts[t] for t in chosen) >= max(left_out)  # the most frequent response tokens
+    # its coverage of the training response tokens is stated
+    coverage = frequent_response_tokens(data, size, target.config.vocab_size).coverage
+    assert coverage == pytest.approx(sum(counts[t] for t in chosen) / sum(counts.values()))
+    assert (coverage < 1) == bool(left_out)
     batch, anchors = fixed_batch(trainer, data)
     loss, stats = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
     assert torch.isfinite(loss)

@@ -99,7 +99,12 @@ def _resolve_drafter(model, args: DFlashTrainingConfig, target: PreTrainedModel,
             if train_dataset is None:
                 raise ValueError("draft_vocab_size needs the training data to choose the most frequent tokens.")
             vocab_size = int(target.get_input_embeddings().weight.shape[0])
-            model.set_draft_vocabulary(frequent_response_tokens(train_dataset, args.draft_vocab_size, vocab_size))
+            vocabulary = frequent_response_tokens(train_dataset, args.draft_vocab_size, vocab_size)
+            model.set_draft_vocabulary(vocabulary.token_ids)
+            logger.info(
+                f"Draft vocabulary: the {args.draft_vocab_size} most frequent response tokens of {vocab_size}, "
+                f"covering {vocabulary.coverage:.2%} of the training response tokens."
+            )
     if not isinstance(model, DFlashDraftModel):
         raise ValueError(f"model must be a DFlashDraftModel (or a path to one), got {type(model).__name__}.")
     if int(model.config.block_size) != int(args.block_size):

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 
-def frequent_response_tokens(dataset, size: int, vocab_size: int) -> torch.LongTensor:
-    """The `size` target ids that occur most often as response tokens (`loss_mask == 1`) in `dataset`, ascending.
+class DraftVocabulary(NamedTuple):
+    """A reduced draft vocabulary and how much of the training responses it can express."""
+
+    token_ids: torch.LongTensor
+    """The chosen target ids, ascending."""
+    coverage: float
+    """Share of the training response tokens that are in `token_ids` (a slot whose label is outside can never be
+    accepted)."""
+
+
+def frequent_response_tokens(dataset, size: int, vocab_size: int) -> DraftVocabulary:
+    """The `size` target ids that occur most often as response tokens (`loss_mask == 1`) in `dataset`, ascending,
+    with their coverage of those response tokens.
 
     Ties (including never-seen ids when the data has fewer than `size` distinct response tokens) go to lower ids.
     """
@@ -20,4 +33,5 @@ def frequent_response_tokens(dataset, size: int, vocab_size: int) -> torch.LongT
     if counts.sum() == 0:
         raise ValueError("The training data has no response tokens (loss_mask is all zero): cannot pick a vocabulary.")
     tie_break = torch.arange(vocab_size, dtype=torch.float64) / (2 * vocab_size)  # < 1: only orders equal counts
-    return torch.topk(counts - tie_break, size).indices.sort().values
+    token_ids = torch.topk(counts - tie_break, size).indices.sort().values
+    return DraftVocabulary(token_ids, float(counts[token_ids].sum() / counts.sum()))
