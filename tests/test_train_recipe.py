@@ -3,6 +3,8 @@ autocast, held-out acceptance evaluation with best-checkpoint selection and earl
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from dflash_hf.trainers import DFlashDataCollator, DFlashTrainer, DFlashTrainingConfig, sample_anchors
@@ -346,7 +348,7 @@ def test_skip_train_samples_trains_on_the_rows_a_grown_folder_added(tiny, tmp_pa
         DFlashTrainingConfig(output_dir=str(tmp_path), skip_train_samples=-1, use_cpu=True)
 
 
-def test_train_command_reads_a_yaml_recipe_and_flags_override_it(tiny, tmp_path):
+def test_train_command_reads_a_yaml_recipe_and_flags_override_it(tiny, tmp_path, caplog):
     """`dflash-hf train --config recipe.yaml` (TRL's parser): the file sets the recipe, command-line flags win."""
     import json
 
@@ -390,11 +392,16 @@ def test_train_command_reads_a_yaml_recipe_and_flags_override_it(tiny, tmp_path)
     )  # fmt: skip
     both = f"{tmp_path / 'data'},{tmp_path / 'tf'}"
     argv = ["train", "--config", str(recipe), "--data", both, "--hard_labels", "target", "--output_dir"]
-    assert cli_main(argv + [str(tmp_path / "mix")]) == 0
+    # a reduced draft vocabulary: its coverage is logged at --log_level info and recorded on the card
+    argv = [*argv[:1], "--draft_vocab_size", "6", "--log_level", "info", *argv[1:]]
+    with caplog.at_level(logging.INFO, logger="dflash_hf"):
+        assert cli_main(argv + [str(tmp_path / "mix")]) == 0
+    assert "Draft vocabulary: the 6 most frequent response tokens" in caplog.text
     summary = json.loads((tmp_path / "mix" / "train_summary.json").read_text())
     assert summary["samples"] == len(load_training_data(tmp_path / "data")) + 3
     card = (tmp_path / "mix" / "final" / "README.md").read_text()
     assert "regenerated" in card and "3 teacher-forced" in card and "hard_labels" in card
+    assert "draft_vocabulary_coverage" in card
 
 
 def test_a_saved_bf16_drafter_continues_training_in_fp32(tiny, tmp_path):

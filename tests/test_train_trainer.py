@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from dflash_hf.trainers import (
@@ -237,6 +239,7 @@ def test_reduced_draft_vocabulary_from_response_tokens(tiny, tmp_path, caplog):
     target, tok, data, _ = tiny
     counts = Counter(t for row in data for t, m in zip(row["input_ids"], row["loss_mask"]) if m)
     size = min(8, len(counts))
+    caplog.set_level(logging.INFO, logger="dflash_hf")
     trainer = DFlashTrainer(
         args=config(tmp_path, draft_vocab_size=size), target=target, train_dataset=data, processing_class=tok
     )
@@ -248,6 +251,7 @@ def test_reduced_draft_vocabulary_from_response_tokens(tiny, tmp_path, caplog):
     coverage = frequent_response_tokens(data, size, target.config.vocab_size).coverage
     assert coverage == pytest.approx(sum(counts[t] for t in chosen) / sum(counts.values()))
     assert (coverage < 1) == bool(left_out)
+    assert trainer.draft_vocabulary_coverage == coverage and f"covering {coverage:.2%}" in caplog.text
     batch, anchors = fixed_batch(trainer, data)
     loss, stats = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
     assert torch.isfinite(loss)

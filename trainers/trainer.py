@@ -74,9 +74,13 @@ def _resolve_attention(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _resolve_drafter(model, args: DFlashTrainingConfig, target: PreTrainedModel, train_dataset, processing_class):
+def _resolve_drafter(
+    model, args: DFlashTrainingConfig, target: PreTrainedModel, train_dataset, processing_class
+) -> tuple[DFlashDraftModel, float | None]:
     """The drafter to train: loaded from a path (fp32 master weights whatever its saved dtype), or a new one built from
-    the target (optionally initialised from its top layers, with a reduced draft vocabulary); checked against `args`."""
+    the target (optionally initialised from its top layers, with a reduced draft vocabulary); checked against `args`.
+    Also returns the new reduced vocabulary's coverage of the training response tokens (else `None`)."""
+    coverage = None
     if isinstance(model, str):
         model = DFlashDraftModel.from_pretrained(model, dtype=torch.float32)
     if model is None:
@@ -101,6 +105,7 @@ def _resolve_drafter(model, args: DFlashTrainingConfig, target: PreTrainedModel,
             vocab_size = int(target.get_input_embeddings().weight.shape[0])
             vocabulary = frequent_response_tokens(train_dataset, args.draft_vocab_size, vocab_size)
             model.set_draft_vocabulary(vocabulary.token_ids)
+            coverage = vocabulary.coverage
             logger.info(
                 f"Draft vocabulary: the {args.draft_vocab_size} most frequent response tokens of {vocab_size}, "
                 f"covering {vocabulary.coverage:.2%} of the training response tokens."
@@ -117,7 +122,7 @@ def _resolve_drafter(model, args: DFlashTrainingConfig, target: PreTrainedModel,
             f"The drafter taps target layers {model.config.target_layer_ids} but the training config says "
             f"{args.target_layer_ids}: drop --target_layer_ids or start a new drafter."
         )
-    return model
+    return model, coverage
 
 
 def _training_dataset(train_dataset, args: DFlashTrainingConfig, model: DFlashDraftModel):
@@ -165,6 +170,10 @@ class DFlashTrainer(PickleFreeCheckpoints):
             with `features="offline"`, a dataset whose rows also carry `context_hidden_states` (see
             `dflash_hf.data.features.OfflineFeatureDataset`, built automatically from `features_dir`).
         processing_class: The target's tokenizer (for the pad id, the default mask id and the model card).
+
+    Attributes:
+        draft_vocabulary_coverage (`float` or `None`): For a new drafter with `draft_vocab_size`, the share of the
+            training response tokens inside its draft vocabulary (also logged, and written to the model card).
     """
 
     _tag_names = ["dflash", "dflash-hf", "speculative-decoding"]
@@ -196,7 +205,7 @@ class DFlashTrainer(PickleFreeCheckpoints):
                 "DFlashTrainer needs the frozen `target` model: the drafter is conditioned on its hidden states and "
                 "shares its embedding and LM head."
             )
-        model = _resolve_drafter(model, args, target, train_dataset, processing_class)
+        model, self.draft_vocabulary_coverage = _resolve_drafter(model, args, target, train_dataset, processing_class)
 
         self.target = target
         self.target.requires_grad_(False)

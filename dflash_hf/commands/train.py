@@ -129,6 +129,7 @@ def train(script: DFlashScriptArguments, config) -> dict:
     if script.export_format not in ("dflash-hf", "official"):
         raise ValueError(f"--export_format must be 'dflash-hf' or 'official', got {script.export_format!r}.")
     base_model = _base_model(script)
+    _follow_log_level(config)
     folders = [p.strip() for p in script.data.split(",") if p.strip()]
     data = _concatenated([load_training_data(folder) for folder in folders])
     eval_data = load_training_data(script.eval_data) if script.eval_data else None
@@ -178,6 +179,19 @@ def train(script: DFlashScriptArguments, config) -> dict:
     return summary
 
 
+def _follow_log_level(config) -> None:
+    """Make the package's own loggers (`dflash_hf.*`) report at the Trainer's log level, like Transformers' loggers:
+    `--log_level info` shows e.g. the reduced draft vocabulary's coverage."""
+    import logging
+
+    logger = logging.getLogger("dflash_hf")
+    logger.setLevel(config.get_process_log_level())
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[dflash-hf] %(message)s"))
+        logger.addHandler(handler)
+
+
 def _concatenated(parts: list):
     """One training set from several `make-data` datasets (their common columns), in order."""
     if len(parts) == 1:
@@ -220,6 +234,8 @@ def _training_facts(trainer, config, result, last: dict, wall: float, data: str)
         "wall_time_s": round(wall, 1),
         "final_train_loss": round(float(result.training_loss), 4),
     }
+    if trainer.draft_vocabulary_coverage is not None:
+        facts["draft_vocabulary_coverage"] = round(trainer.draft_vocabulary_coverage, 4)
     for key in ("accuracy", "acceptance_length", "acceptance_length_blockwise"):
         if key in last:
             facts[f"train_{key}"] = round(float(last[key]), 4)
