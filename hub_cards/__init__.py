@@ -105,6 +105,7 @@ def render_model_card(
     metrics: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
     training: Mapping[str, Any] | None = None,
     license: Mapping[str, str] | None = None,
+    dtype: str | None = None,
 ) -> str:
     """Render the `README.md` of an exported drafter.
 
@@ -118,6 +119,7 @@ def render_model_card(
         metrics: Measured benchmark rows (see [`normalize_metrics`]); without them no results are shown.
         training: Recorded training facts (data size, steps, hyper-parameters, wall time), listed as given.
         license: License fields of the target's card (`license`, optionally `license_name`, `license_link`).
+        dtype: Precision of the stored weights (default: the config's `dtype`, else float32).
     """
     if format not in FORMAT_NAMES:
         raise ValueError(f"Unknown checkpoint format {format!r}; choose one of {sorted(FORMAT_NAMES)}.")
@@ -144,7 +146,7 @@ def render_model_card(
         "mask_token_id": config.mask_token_id,
         "hidden_size": config.hidden_size,
         "num_parameters": f"{num_parameters / 1e6:.1f}M",
-        "dtype": config.to_dict().get("dtype") or "float32",
+        "dtype": dtype or config.to_dict().get("dtype") or "float32",
         "format_name": FORMAT_NAMES[format],
         "rope_type": rope.get("rope_type", "default"),
         "rope_theta": rope.get("rope_theta"),

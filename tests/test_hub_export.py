@@ -58,12 +58,20 @@ def test_export_writes_a_hub_folder_with_card(family, tmp_path):
     assert f"## Notes for {dict(qwen3='Qwen', llama='LLaMA-family', gemma3='Gemma')[family]} targets" in card
     assert 'speculation_type="dflash"' in card and "dflash_hf.generate(target, drafter" in card
     assert "No measurements are included" in card
+    # a Gemma card says which serving engine cannot run the drafter as trained
+    assert ("refuses Gemma targets" in card) == (family == "gemma3")
     assert not re.search(r"\d\.\d+x", card)  # no speedup figure anywhere without measurements
     assert "$" not in card.replace("$$", "")  # every placeholder filled
 
     reloaded = DFlashDraftModel.from_pretrained(folder)
     for name, tensor in drafter.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], tensor), name
+    assert "| Weights | safetensors, `float32` |" in card
+    # the card states the precision the weights are stored in (a bf16 copy of an fp32-configured drafter)
+    bf16 = dflash_hf.export(
+        drafter.to(torch.bfloat16), tmp_path / "bf16", target=target, base_model=BASE_MODELS[family]
+    )
+    assert "| Weights | safetensors, `bfloat16` |" in (bf16 / "README.md").read_text()
 
 
 def test_results_table_only_from_measured_metrics(qwen_pair, tmp_path):

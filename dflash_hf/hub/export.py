@@ -201,6 +201,7 @@ def export(
         metrics=metrics,
         training=training,
         license={"license": license} if license else _target_license(target_name, base_model),
+        dtype=str(drafter.dtype).removeprefix("torch."),
     )
     out_dir = Path(out_dir)
 
