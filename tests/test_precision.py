@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_drafter, make_target
+from conftest import GEMMA_SLIDING_WINDOW, make_drafter, make_target
 from test_targets import make_llama, save_tiny_target
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, cli, generate, runtime, targets
@@ -54,6 +54,21 @@ def test_bf16_engine_equals_plain_bf16_greedy(family, block_size):
             pytest.skip("this CPU's bf16 kernels cannot be made row-exact for this target (install says so)")
         assert torch.equal(out, expected)
     assert target.config._attn_implementation == row_exact.ATTENTION_NAME
+
+
+@pytest.mark.parametrize("prompt_length", [15, 19])
+def test_bf16_gemma_past_the_sliding_window_equals_plain_bf16_greedy(prompt_length):
+    """Stock `generate` keeps only the window in a sliding layer's cache; row-exact verification attends each row over
+    those keys alone (attending over the whole context with the old keys masked gives other bits, and other tokens)."""
+    reference_target, target = _bf16_target("gemma3"), _bf16_target("gemma3")
+    drafter = make_drafter(target).to(torch.bfloat16)
+    prompt = torch.randint(3, 64, (1, prompt_length), generator=torch.Generator().manual_seed(7))
+    assert prompt_length > GEMMA_SLIDING_WINDOW
+    expected = reference_target.generate(prompt, max_new_tokens=32, do_sample=False)
+    out = generate(target, drafter, prompt, max_new_tokens=32, do_sample=False)
+    if not row_exact.install(target, 4):
+        pytest.skip("this CPU's bf16 kernels cannot be made row-exact for this target (install says so)")
+    assert torch.equal(out, expected)
 
 
 def test_row_exact_attention_is_sdpa_outside_verification():

@@ -220,3 +220,25 @@ def test_adaptive_block_size_learns_the_block_not_the_lookup_wins(oracle_lookup,
     assert torch.equal(out.sequences, reference)
     assert sum(out.lookup_wins) > 0 and max(out.accepted_lengths[0]) >= 3  # the lookup branch committed runs
     assert max(observed) <= 2  # a random block gets at most one token accepted here, whatever the lookup got
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_row_exact_bf16_tree_verify_equals_plain_bf16_greedy(family, oracle_lookup):
+    """In bf16 on CPU verification runs row-exact (`engine.row_exact`); the tree's nodes are attended one by one over
+    the cache and their own ancestors, so the lookup branch stays on and the output is stock bf16 greedy's, past
+    Gemma's sliding window too."""
+    reference_target = make_target(family).to(torch.bfloat16)
+    target = make_target(family).to(torch.bfloat16)
+    input_ids = _prompt(7, 2 * GEMMA_SLIDING_WINDOW + 3)
+    reference = greedy_reference(reference_target, input_ids, max_new_tokens=MAX_NEW)
+    oracle_lookup([reference[0].tolist()])
+    corrupt = {(pos, slot) for pos in range(80) for slot in range(1, 4) if (pos + slot) % 3 == 0}
+    for drafter in (make_drafter(target), make_oracle(target, [reference[0].tolist()], corrupt=corrupt)):
+        out = dflash_hf.generate(
+            target, drafter.to(torch.bfloat16), input_ids, max_new_tokens=MAX_NEW, candidates="dflash+lookup",
+            return_dict_in_generate=True,
+        )  # fmt: skip
+        if not generation_call.row_exact.install(target, 4):
+            pytest.skip("this CPU's bf16 kernels cannot be made row-exact for this target (install says so)")
+        assert torch.equal(out.sequences, reference)
+        assert out.lookup_wins[0] > 0  # the tree was verified (and won) in row-exact bf16

@@ -176,6 +176,9 @@ def train(script: DFlashScriptArguments, config) -> dict:
         atomic_write_text(Path(config.output_dir) / "train_summary.json", json.dumps(summary, indent=1, default=str))
         print(json.dumps({k: summary[k] for k in ("global_step", "train_loss", "export_dir")}))
     trainer.accelerator.wait_for_everyone()
+    # Tear the process group down before the interpreter does: left to exit, gloo's threads can abort a process
+    # ("terminate called without an active exception") after training has finished. No-op in a single process.
+    trainer.accelerator.end_training()
     return summary
 
 

@@ -140,11 +140,10 @@ class GenerationCall:
         self.do_sample = bool(generation_config.do_sample)
         self.sample_slots = self.do_sample and sampling_proposal == "sample"
         self.process = BlockLogitsProcessor(logits_processor)
-        # the lookup branch needs greedy verification, stock attention kernels and one mask for every layer
+        # the lookup branch needs greedy verification and a processor that scores every tree node alone
         self.lookup_branch = (
             candidates == "dflash+lookup"
             and not self.do_sample
-            and not self.row_exact
             and (self.process.is_identity or self.process.prefix_free)
         )
         self.sliding_window = sliding_window_of(target.config)
@@ -395,7 +394,7 @@ class GenerationCall:
         """4b. One target forward over the tree `[anchor, drafts, lookup]`; returns `(acceptance, target step, path
         order, tree ids)`."""
         ids, positions, sees, valid = tree_layout(state.anchors, draft_tokens, lookups, block_pos[:, 0])
-        with self.verify_timer:
+        with self.verify_timer, row_exact.verification(self.row_exact):
             dtype = self.adapter.embed_tokens.weight.dtype
             mask = tree_attention_mask(state.mask, sees, dtype, positions, self.sliding_window)
             step = self.adapter.forward(ids, mask, positions, self.target_cache)

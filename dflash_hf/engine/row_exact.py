@@ -11,7 +11,10 @@ The cure here is in two parts:
 * Attention: [`install`] switches a target from `sdpa` to [`ATTENTION_NAME`], which *is* `sdpa` (same function,
   same masks) except inside [`verification`]: there each query row is attended on its own, over exactly the keys a
   one-token step at that position would see, with the mask that step would get (`None` when nothing is masked). The
-  per-row calls then have the shapes of decode steps and give their bits.
+  per-row calls then have the shapes of decode steps and give their bits. A tree verify (`engine.tree`, the
+  prompt-lookup branch) is handled the same way: each node attends over the cache and its own ancestors, gathered in
+  the order its decode step would have cached them. A sliding-window layer (Gemma 3) attends over the last `window`
+  of those keys only, as its decode step does: Transformers' sliding-window cache keeps `window - 1` keys.
 * Linear layers: norms, rotary embeddings and activations are per row by construction, matmuls only if the kernel
   gives a row the same bits whatever the number of rows. That depends on the CPU, the weight shape and the kernels
   torch picks (on an AMD EPYC with avx512_bf16, SmolLM2's 1536 -> 576 `down_proj` differs, its other linears do not),
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import copy
 import inspect
 import threading
 import weakref
@@ -35,6 +37,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .tree import sliding_window_of
 
 ATTENTION_NAME = "row_exact_sdpa"  # no "flash" in it: Transformers would take it for a flash kernel
 
@@ -57,20 +61,49 @@ def _row_exact_sdpa(
     if rows == 1 or not _ROW_BY_ROW.get():
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     kwargs.pop("is_causal", None)  # a single query row never uses the causal flag
-    keys = key.shape[2]
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    context = key.shape[2] - rows
     outputs = []
     for row in range(rows):
-        visible = keys - rows + row + 1
-        mask = None
-        if attention_mask is not None:
-            mask = attention_mask[:, :, row : row + 1, :visible]
-            if mask.dtype == torch.bool and bool(mask.all()):
-                mask = None  # Transformers passes no mask to a one-token step when nothing is masked
+        keys = _decode_step_keys(attention_mask, row, context, rows)
+        if keys is None:  # a causal block: the cache and the block up to this row, a contiguous prefix
+            end = context + row + 1
+            start = max(end - window, 0) if window else 0
+            row_key, row_value = key[:, :, start:end], value[:, :, start:end]
+            mask = None if attention_mask is None else attention_mask[:, :, row : row + 1, start:end]
+        else:  # a tree verify: the cache and this node's ancestors, in the order its decode step caches them
+            keys = keys[-window:] if window else keys
+            row_key, row_value = key.index_select(2, keys), value.index_select(2, keys)
+            mask = attention_mask[:, :, row : row + 1].index_select(3, keys)
         out, _ = sdpa_attention_forward(
-            module, query[:, :, row : row + 1], key[:, :, :visible], value[:, :, :visible], mask, **kwargs
+            module, query[:, :, row : row + 1], row_key, row_value, _as_step_mask(mask), **kwargs
         )
         outputs.append(out)
     return torch.cat(outputs, dim=1), None
+
+
+def _decode_step_keys(mask: torch.Tensor | None, row: int, context: int, rows: int) -> torch.LongTensor | None:
+    """The key indices a one-token step for block row `row` would attend over when the block's mask is not causal
+    (a tree verify's mask, `engine.tree`: a node sees its ancestors only), else `None`. The tree is the same for every
+    sequence of the batch, so the first one's mask says which block keys a row sees."""
+    if mask is None:
+        return None
+    block = mask[0, 0, row, context : context + rows]
+    sees = block if block.dtype == torch.bool else block == 0
+    if bool(sees[: row + 1].all()) and not bool(sees[row + 1 :].any()):
+        return None
+    ancestors = torch.nonzero(sees).flatten() + context
+    return torch.cat([torch.arange(context, device=ancestors.device), ancestors])
+
+
+def _as_step_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The mask Transformers gives a one-token `sdpa` step: boolean (an additive tree mask converted), `None` when
+    nothing is masked."""
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool:
+        mask = mask == 0
+    return None if bool(mask.all()) else mask
 
 
 AttentionInterface.register(ATTENTION_NAME, _row_exact_sdpa)
@@ -159,19 +192,27 @@ def block_rows_match_decode(target: PreTrainedModel, block_size: int, context: i
     """Whether a `block_size`-token forward gives every row the same logits, bit for bit, as one-token steps.
 
     Runs on `target` itself (after [`install`]): a random context, then the same `block_size` tokens once as a block
-    under [`verification`] and once one at a time. Block sizes up to `block_size` use the same kernels for their rows
-    only if each of them matches, so callers probe every size they will verify with.
+    under [`verification`] (on the engine's full-length cache) and once one at a time as stock `generate` runs them
+    (on the target's own cache, whose sliding-window layers keep only their window). With sliding-window layers the
+    context is longer than the window, so that the check covers decode steps past it. Block sizes up to `block_size`
+    use the same kernels for their rows only if each of them matches, so callers probe every size they will verify
+    with.
     """
+    window = sliding_window_of(target.config)
+    context = max(context, window + 8) if window else context
     generator = torch.Generator().manual_seed(seed)
     vocab = int(target.get_input_embeddings().weight.shape[0])
     ids = torch.randint(0, vocab, (1, context + block_size), generator=generator).to(target.device)
-    prefix = DynamicCache()
     cache_kwarg = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
-    target(ids[:, :context], use_cache=True, **{cache_kwarg: prefix})
 
+    def prefilled(cache: DynamicCache) -> DynamicCache:
+        target(ids[:, :context], use_cache=True, **{cache_kwarg: cache})
+        return cache
+
+    engine_cache = prefilled(DynamicCache())
     with verification():
-        block = target(ids[:, context:], use_cache=True, **{cache_kwarg: copy.deepcopy(prefix)}).logits[0]
-    cache = copy.deepcopy(prefix)
+        block = target(ids[:, context:], use_cache=True, **{cache_kwarg: engine_cache}).logits[0]
+    cache = prefilled(DynamicCache(config=target.config))
     steps = [
         target(ids[:, i : i + 1], use_cache=True, **{cache_kwarg: cache}).logits[0, -1]
         for i in range(context, context + block_size)
