@@ -17,6 +17,7 @@ from test_cli_generate import COMPARE
 import dflash_hf
 from dflash_hf import cli, targets
 from dflash_hf.data.prompts import encode_prompt
+from dflash_hf.engine import row_exact
 
 PROMPTS = ["Write a Python function that checks whether a number is prime.", "Name three uses of copper."]
 # target name -> (model type, layers, Hub id) of the target each bundled drafter was trained for
@@ -112,6 +113,24 @@ def test_gemma_past_its_sliding_window_on_the_real_target(real_target):
     assert ids.shape[1] > window
     drafter = dflash_hf.DFlashDraftModel.from_pretrained(targets.bundled_drafter_dir(name), dtype=torch.float32)
     _assert_both_paths_match_greedy(target, drafter, ids, 24)
+
+
+def test_bf16_engine_with_the_lookup_branch_on_the_real_target(real_target):
+    """In bf16 (what `--dtype auto` picks where row-exact bf16 cycles are faster) the engine verifies row-exact, the
+    two-branch tree included, and stays exactly stock bf16 greedy's on a repetitive prompt longer than Gemma's sliding
+    window, where the lookup branch wins cycles."""
+    name, _, tokenizer = real_target
+    target, _ = targets.load_target(name, dtype=torch.bfloat16)  # as `--dtype bfloat16` loads it (fp32 rotary tables)
+    text = " ".join(f"Step {i}: add {i} to the running total and write the total down." for i in range(60))
+    ids = torch.tensor([encode_prompt(tokenizer, text)])
+    assert ids.shape[1] > (getattr(target.config, "sliding_window", None) or 0)
+    greedy = target.generate(ids, max_new_tokens=24, do_sample=False)
+    drafter = dflash_hf.DFlashDraftModel.from_pretrained(targets.bundled_drafter_dir(name))  # stored in bf16
+    out = dflash_hf.generate(target, drafter, ids, max_new_tokens=24, block_size=4, return_dict_in_generate=True)
+    if not row_exact.install(target, 4):
+        pytest.skip(f"this CPU's bf16 kernels cannot be made row-exact for {name} (install says so)")
+    assert torch.equal(out.sequences, greedy)
+    assert out.lookup_wins[0] > 0
 
 
 @pytest.mark.parametrize("layout", ["dflash-hf", "official", "speculators"])

@@ -176,10 +176,20 @@ def train(script: DFlashScriptArguments, config) -> dict:
         atomic_write_text(Path(config.output_dir) / "train_summary.json", json.dumps(summary, indent=1, default=str))
         print(json.dumps({k: summary[k] for k in ("global_step", "train_loss", "export_dir")}))
     trainer.accelerator.wait_for_everyone()
-    # Tear the process group down before the interpreter does: left to exit, gloo's threads can abort a process
-    # ("terminate called without an active exception") after training has finished. No-op in a single process.
-    trainer.accelerator.end_training()
+    _end_distributed(trainer)
     return summary
+
+
+def _end_distributed(trainer) -> None:
+    """Tear the process group down while the interpreter is alive (a no-op in a single process).
+
+    Left to the interpreter's exit, gloo's worker threads can abort a finished run ("terminate called without an
+    active exception"). And gloo's worker thread releases the last barrier's work object a moment after the barrier
+    returns, which needs the GIL: a process group destroyed (threads joined, GIL held) within that moment deadlocks.
+    So the main thread first sleeps (GIL released) for a second, then destroys it."""
+    if trainer.args.world_size > 1:
+        time.sleep(1.0)
+    trainer.accelerator.end_training()
 
 
 def _follow_log_level(config) -> None:

@@ -25,6 +25,7 @@ from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache
 
 from ..modeling import DFlashDraftModel
+from . import row_exact
 
 # The one table of supported targets: `model_type` -> (display name, model-card family). The family names the
 # `hub_cards/family_<family>.md` part of exported cards and is a Hub tag; `None`: no family notes, the tag is the
@@ -238,9 +239,12 @@ class TargetAdapter:
         then indexes `token_ids`.
         """
         hidden_states = hidden_states.to(self.lm_head.weight.dtype)
-        weight = self.lm_head.weight if token_ids is None else self._head_rows(token_ids)
-        bias = self.lm_head.bias if token_ids is None else None
-        logits = head_projection(hidden_states, weight, bias).float()
+        if token_ids is None and row_exact.head_is_hooked(self.lm_head):
+            logits = self.lm_head(hidden_states).float()  # row by row inside a row-exact verification
+        else:
+            weight = self.lm_head.weight if token_ids is None else self._head_rows(token_ids)
+            bias = self.lm_head.bias if token_ids is None else None
+            logits = head_projection(hidden_states, weight, bias).float()
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

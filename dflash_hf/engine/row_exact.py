@@ -75,9 +75,8 @@ def _row_exact_sdpa(
             keys = keys[-window:] if window else keys
             row_key, row_value = key.index_select(2, keys), value.index_select(2, keys)
             mask = attention_mask[:, :, row : row + 1].index_select(3, keys)
-        out, _ = sdpa_attention_forward(
-            module, query[:, :, row : row + 1], row_key, row_value, _as_step_mask(mask), **kwargs
-        )
+        step_mask = _as_step_mask(mask, query, row_key.shape[2], window)
+        out, _ = sdpa_attention_forward(module, query[:, :, row : row + 1], row_key, row_value, step_mask, **kwargs)
         outputs.append(out)
     return torch.cat(outputs, dim=1), None
 
@@ -96,14 +95,19 @@ def _decode_step_keys(mask: torch.Tensor | None, row: int, context: int, rows: i
     return torch.cat([torch.arange(context, device=ancestors.device), ancestors])
 
 
-def _as_step_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """The mask Transformers gives a one-token `sdpa` step: boolean (an additive tree mask converted), `None` when
-    nothing is masked."""
-    if mask is None:
-        return None
-    if mask.dtype != torch.bool:
+def _as_step_mask(mask: torch.Tensor | None, query: torch.Tensor, keys: int, window: int | None) -> torch.Tensor | None:
+    """The mask Transformers gives a one-token `sdpa` step over `keys` keys: boolean (an additive tree mask converted),
+    and `None` when every key is visible, except in a sliding-window layer whose keys fill the window, which gets its
+    all-visible mask (with it `sdpa` rounds differently than without)."""
+    if mask is not None and mask.dtype != torch.bool:
         mask = mask == 0
-    return None if bool(mask.all()) else mask
+    if mask is not None and not bool(mask.all()):
+        return mask
+    if not window or keys < window:
+        return None
+    if mask is None:
+        mask = torch.ones(query.shape[0], 1, 1, keys, dtype=torch.bool, device=query.device)
+    return mask
 
 
 AttentionInterface.register(ATTENTION_NAME, _row_exact_sdpa)
@@ -111,13 +115,20 @@ AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
 def _rows_match(linear: torch.nn.Linear, max_rows: int, generator: torch.Generator) -> bool:
-    """Whether `linear` gives each of 2..`max_rows` rows the bits it gives that row alone."""
+    """Whether `linear` gives each of 2..`max_rows` rows the bits it gives that row alone.
+
+    A kernel that sums in another order for several rows changes an output's bf16 rounding only now and then (SmolLM2's
+    `down_proj` on an AMD EPYC: about one output in 7,000), so small layers are probed with several random inputs
+    (about 2^17 outputs in all, at most 16 inputs per row count); a large LM head gets one."""
     weight = linear.weight
-    for rows in range(2, max_rows + 1):
-        x = torch.randn(rows, linear.in_features, generator=generator).to(weight.device, weight.dtype)
-        together = linear(x)
-        if not all(torch.equal(together[i], linear(x[i : i + 1])[0]) for i in range(rows)):
-            return False
+    per_input = linear.out_features * sum(range(2, max_rows + 1))
+    inputs = min(16, max(1, -(-(2**17) // max(per_input, 1))))
+    for _ in range(inputs):
+        for rows in range(2, max_rows + 1):
+            x = torch.randn(rows, linear.in_features, generator=generator).to(weight.device, weight.dtype)
+            together = linear(x)
+            if not all(torch.equal(together[i], linear(x[i : i + 1])[0]) for i in range(rows)):
+                return False
     return True
 
 
@@ -140,8 +151,8 @@ def install(target: PreTrainedModel, max_rows: int) -> bool:
     Switches `sdpa` attention to [`ATTENTION_NAME`] and, for every linear-layer shape of the decoder whose kernel
     gives a row different bits inside a multi-row call (measured here, on this machine), adds a forward hook that
     recomputes it row by row inside [`verification`]. Outside [`verification`] the target computes exactly as
-    before. Then checks the LM head's kernel the same way and the whole target with [`block_rows_match_decode`]
-    and returns the result (`False` also for attention implementations other than `sdpa`, which are left alone).
+    before. The LM head is probed (and hooked) the same way. Then checks the whole target with
+    [`block_rows_match_decode`] and returns the result (`False` also for attention implementations other than `sdpa`, which are left alone).
     Installing again for as many rows or fewer returns the first result.
     """
     with _INSTALL_LOCK:  # concurrent calls on a shared target install once
@@ -162,7 +173,8 @@ def _install(target: PreTrainedModel, max_rows: int) -> bool:
         return False
     generator = torch.Generator().manual_seed(0)
     verdicts: dict[tuple, bool] = {}
-    for module in target.get_decoder().modules():
+    head = target.get_output_embeddings()
+    for module in [*target.get_decoder().modules(), head]:
         if not isinstance(module, nn.Linear):
             continue
         shape = (tuple(module.weight.shape), module.weight.dtype, module.bias is not None)
@@ -171,10 +183,13 @@ def _install(target: PreTrainedModel, max_rows: int) -> bool:
         if not verdicts[shape] and not getattr(module, "_row_exact_hooked", False):
             module.register_forward_hook(_one_row_at_a_time)
             module._row_exact_hooked = True
-    # the engine computes verify logits with the head's weight directly (only the rows it needs), so a head whose
-    # kernel is not row-exact cannot be hooked: it makes the target not exact
-    head = target.get_output_embeddings()
-    return _rows_match(head, max_rows, generator) and block_rows_match_decode(target, max_rows)
+    return block_rows_match_decode(target, max_rows)
+
+
+def head_is_hooked(head: nn.Module) -> bool:
+    """Whether [`install`] made this LM head recompute multi-row calls row by row inside [`verification`] (callers
+    that project with the head's weight directly must then call the module instead)."""
+    return bool(getattr(head, "_row_exact_hooked", False))
 
 
 @contextlib.contextmanager
