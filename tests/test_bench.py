@@ -273,10 +273,26 @@ def test_engine_kernels_baseline_swaps_the_head_only_inside(setup):
     assert uses_engine_kernels(target) and not uses_engine_kernels(make_target("llama").to(torch.bfloat16))
 
 
+def test_longer_lookup_branch_rows(setup):
+    """`lookup_tokens` adds a lookup-branch row per length (the default length, block size - 1, only once) whose
+    engine call gets that length; the row runs exact."""
+    target, drafter, prompts = setup
+    methods = bench.default_methods(target, drafter, block_sizes=[4], adaptive=False, lookup_tokens=[3, 6])
+    assert [m.name for m in methods][-2:] == ["dflash_b4_lookup", "dflash_b4_lookup6"]
+    assert methods[-1].label == "dflash-hf B=4 + lookup branch (<= 6 tokens)" and "lookup_tokens=6" in methods[-1].description
+    result = bench.run_bench(
+        target, drafter, prompts[:1], max_new_tokens=MAX_NEW, methods=[methods[0], methods[-1]], warmup_tokens=0,
+        progress=False, profile_costs=False,
+    )  # fmt: skip
+    assert result.exact
+
+
 def test_bad_input_is_refused(setup, tmp_path):
     target, drafter, prompts = setup
     with pytest.raises(ValueError, match="trained block size 8"):
         bench.default_methods(target, drafter, block_sizes=[16])
+    with pytest.raises(ValueError, match="Lookup branch lengths must be >= 1"):
+        bench.default_methods(target, drafter, block_sizes=[4], lookup_tokens=[0])
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         bench.run_bench(target, drafter, prompts, max_new_tokens=0)
     with pytest.raises(ValueError, match="Unknown prompt set"):

@@ -142,23 +142,23 @@ def test_sampling_compare(folders, capsys):
 
 
 @pytest.mark.parametrize("proposal", ["argmax", "sample"])
-def test_sampling_proposal_and_candidates_flags_reach_the_engine(folders, capsys, monkeypatch, proposal):
+def test_sampling_proposal_candidates_and_lookup_flags_reach_the_engine(folders, capsys, monkeypatch, proposal):
     import dflash_hf.engine.generation_call as generation_call
 
     seen = []
     real = generation_call.GenerationCall.__init__
 
     def recording(self, *args, **kwargs):
-        seen.append((kwargs.get("sampling_proposal"), kwargs.get("candidates")))
+        seen.append((kwargs.get("sampling_proposal"), kwargs.get("candidates"), kwargs.get("lookup_tokens")))
         real(self, *args, **kwargs)
 
     monkeypatch.setattr(generation_call.GenerationCall, "__init__", recording)
     code, _, _ = _run(
         capsys, "the cat sat", "--target", str(folders["target"]), "--drafter", str(folders["drafter"]),
         "--max-new-tokens", "4", "--temperature", "0.8", "--sampling-proposal", proposal,
-        "--candidates", "dflash+lookup",
+        "--candidates", "dflash+lookup", "--lookup-tokens", "6",
     )  # fmt: skip
-    assert code == 0 and seen[-1] == (proposal, "dflash+lookup")
+    assert code == 0 and seen[-1] == (proposal, "dflash+lookup", 6)
 
 
 def test_defaults_use_named_target_and_bundled_drafter(monkeypatch, tmp_path, capsys):
@@ -187,6 +187,7 @@ def test_defaults_use_named_target_and_bundled_drafter(monkeypatch, tmp_path, ca
         (["--drafter", "{drafter}", "--top-p", "1.5"], "--top-p"),
         (["--drafter", "{drafter}", "--temperature", "0", "--top-k", "5"], "greedy"),
         (["--drafter", "{drafter}", "--target", "{target}", "--block-size", "9"], "--block-size"),
+        (["--drafter", "{drafter}", "--target", "{target}", "--lookup-tokens", "0"], "--lookup-tokens"),
     ],
 )
 def test_bad_input_gives_one_error_line(folders, tmp_path, capsys, argv, message):

@@ -23,16 +23,16 @@ def _prompt(seed: int, length: int) -> torch.Tensor:
 @pytest.fixture
 def oracle_lookup(monkeypatch):
     """Tiny random targets do not repeat themselves, so the lookup branch would never be accepted: make the lookup
-    source propose each row's true greedy continuation, with every third position wrong, so that either branch wins
-    at varying depths (the n-gram search itself is tested on its own)."""
+    source propose each row's true greedy continuation, with every third (or `wrong_every`-th) position wrong, so
+    that either branch wins at varying depths (the n-gram search itself is tested on its own)."""
 
-    def install(references: list[list[int]]) -> None:
+    def install(references: list[list[int]], wrong_every: int = 3) -> None:
         def lookup(sequence: list[int], max_tokens: int) -> list[int]:
             for reference in references:
                 if reference[: len(sequence)] == sequence:
                     start = len(sequence)
                     continuation = reference[start : start + max_tokens]
-                    return [(t + 1) % 64 if (start + i) % 3 == 0 else t for i, t in enumerate(continuation)]
+                    return [(t + 1) % 64 if (start + i) % wrong_every == 0 else t for i, t in enumerate(continuation)]
             return []
 
         monkeypatch.setattr(generation_call, "lookup_continuation", lookup)
@@ -242,3 +242,24 @@ def test_row_exact_bf16_tree_verify_equals_plain_bf16_greedy(family, oracle_look
             pytest.skip("this CPU's bf16 kernels cannot be made row-exact for this target (install says so)")
         assert torch.equal(out.sequences, reference)
         assert out.lookup_wins[0] > 0  # the tree was verified (and won) in row-exact bf16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16 row-exact"])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_lookup_branch_longer_than_the_block_is_lossless(family, dtype, oracle_lookup):
+    """`lookup_tokens` verifies a lookup branch longer than the DFlash block; a cycle can then commit more tokens than
+    the block holds, and the output is still plain greedy's (in bf16 too, row-exact over the wider tree)."""
+    reference_target, target = make_target(family).to(dtype), make_target(family).to(dtype)
+    input_ids = _prompt(8, 2 * GEMMA_SLIDING_WINDOW + 3)
+    reference = greedy_reference(reference_target, input_ids, max_new_tokens=MAX_NEW)
+    oracle_lookup([reference[0].tolist()], wrong_every=8)
+    out = dflash_hf.generate(
+        target, make_drafter(target).to(dtype), input_ids, max_new_tokens=MAX_NEW, block_size=2, lookup_tokens=7,
+        candidates="dflash+lookup", return_dict_in_generate=True,
+    )  # fmt: skip
+    if dtype != torch.float32 and not generation_call.row_exact.install(target, 9):
+        pytest.skip("this CPU's bf16 kernels cannot be made row-exact for this target (install says so)")
+    assert torch.equal(out.sequences, reference)
+    assert max(out.accepted_lengths[0]) > 2  # more than a 2-token block can commit: the long branch won
+    with pytest.raises(ValueError, match="lookup_tokens must be an int >= 1"):
+        dflash_hf.generate(target, make_drafter(target), input_ids, max_new_tokens=4, lookup_tokens=0)

@@ -226,6 +226,7 @@ def default_methods(
     prompt_lookup_num_tokens: int = 10,
     adaptive: bool = True,
     lookup_branch: bool = True,
+    lookup_tokens: Sequence[int] = (),
 ) -> list[BenchMethod]:
     """The methods of the module docstring, in order; engine block sizes above the drafter's trained one are left out.
 
@@ -237,6 +238,8 @@ def default_methods(
         adaptive: Include `dflash_adaptive`.
         lookup_branch: Include our engine at the smallest block size with a prompt-lookup branch in every verify
             (`candidates="dflash+lookup"`).
+        lookup_tokens: With `lookup_branch`, also a row per value with lookup branches of at most that many tokens
+            (`lookup_tokens=N`; the default row's branch is at most the block size - 1).
     """
     trained = int(drafter.config.block_size)
     bad = [b for b in block_sizes if int(b) < 2]
@@ -244,6 +247,8 @@ def default_methods(
         raise ValueError(f"Block sizes must be >= 2 (anchor + at least one draft), got {bad}.")
     if prompt_lookup_num_tokens < 1:
         raise ValueError(f"prompt_lookup_num_tokens must be >= 1, got {prompt_lookup_num_tokens}.")
+    if any(int(n) < 1 for n in lookup_tokens):
+        raise ValueError(f"Lookup branch lengths must be >= 1, got {list(lookup_tokens)}.")
     sizes = sorted({int(b) for b in block_sizes if int(b) <= trained})
     if not sizes and block_sizes:
         raise ValueError(
@@ -251,7 +256,7 @@ def default_methods(
             f"sizes <= {trained}."
         )
     return _transformers_methods(target, drafter, prompt_lookup_num_tokens) + _engine_methods(
-        target, drafter, sizes, adaptive, lookup_branch
+        target, drafter, sizes, adaptive, lookup_branch, [int(n) for n in lookup_tokens]
     )
 
 
@@ -291,9 +296,15 @@ def _transformers_methods(
 
 
 def _engine_methods(
-    target: PreTrainedModel, drafter: DFlashDraftModel, sizes: list[int], adaptive: bool, lookup_branch: bool
+    target: PreTrainedModel,
+    drafter: DFlashDraftModel,
+    sizes: list[int],
+    adaptive: bool,
+    lookup_branch: bool,
+    lookup_tokens: list[int],
 ) -> list[BenchMethod]:
-    """Our engine at each fixed block size, with the adaptive policy, then at the smallest size with a lookup branch."""
+    """Our engine at each fixed block size, with the adaptive policy, then at the smallest size with a lookup branch
+    (of the default length, then of each of `lookup_tokens`)."""
     trained = int(drafter.config.block_size)
     methods = [
         BenchMethod(
@@ -326,6 +337,17 @@ def _engine_methods(
                 block_size=size,
             )
         )
+        methods += [
+            BenchMethod(
+                f"dflash_b{size}_lookup{length}",
+                f"dflash-hf B={size} + lookup branch (<= {length} tokens)",
+                _engine_runner(target, drafter, size, candidates="dflash+lookup", lookup_tokens=length),
+                f'dflash_hf.generate(block_size={size}, candidates="dflash+lookup", lookup_tokens={length})',
+                block_size=size,
+            )
+            for length in lookup_tokens
+            if length != size - 1
+        ]
     return methods
 
 

@@ -61,6 +61,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Leave out dflash-hf with a prompt-lookup branch in every verify (candidates='dflash+lookup').",
     )
     parser.add_argument(
+        "--lookup-tokens",
+        type=comma_separated_ints,
+        default=[],
+        help="Also run the lookup-branch row with branches of at most these many tokens (e.g. 7; default: only the "
+        "engine's default, the block size - 1).",
+    )
+    parser.add_argument(
         "--temperatures",
         type=comma_separated_floats,
         default=[],
@@ -127,6 +134,8 @@ def _command_line(args: argparse.Namespace, drafter: Path, threads: int | None) 
     ]  # fmt: skip
     if threads is not None:
         argv += ["--threads", str(threads)]
+    if args.lookup_tokens:
+        argv += ["--lookup-tokens", ",".join(map(str, args.lookup_tokens))]
     if args.temperatures:
         argv += ["--temperatures", ",".join(f"{t:g}" for t in args.temperatures)]
         argv += ["--sampling-block-size", str(args.sampling_block_size)]
@@ -198,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
         prompt_lookup_num_tokens=args.prompt_lookup_tokens,
         adaptive=not args.no_adaptive,
         lookup_branch=not args.no_lookup_branch,
+        lookup_tokens=args.lookup_tokens,
     )
     skipped = {name for name in args.skip.split(",") if name}
     unknown = skipped - {"prompt_lookup", "native_dflash", "greedy_engine_kernels"}

@@ -60,6 +60,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "only); dflash: the DFlash block alone.",
     )
     parser.add_argument(
+        "--lookup-tokens",
+        type=int,
+        default=None,
+        help="Longest prompt-lookup branch verified with the block (default: the block size - 1).",
+    )
+    parser.add_argument(
         "--sampling-proposal",
         choices=SAMPLING_PROPOSALS,
         default=DEFAULT_SAMPLING_PROPOSAL,
@@ -113,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}.")
+    if args.lookup_tokens is not None and args.lookup_tokens < 1:
+        raise ValueError(f"--lookup-tokens must be >= 1, got {args.lookup_tokens}.")
     sampling = _sampling_kwargs(args)
     drafter_dir = resolve_drafter_dir(args.target, args.drafter)
     device = torch.device(args.device or default_device())
@@ -137,7 +145,10 @@ def run(args: argparse.Namespace) -> int:
     # one short untimed pass (a few prompt tokens) so that neither timed run pays for first-call set-up (kernel
     # selection, oneDNN weight packing); both timed runs below are warm
     warmup_ids = inputs["input_ids"][:, :WARMUP_PROMPT_TOKENS]
-    generate(target, drafter, warmup_ids, max_new_tokens=2, do_sample=False, block_size=args.block_size)
+    generate(
+        target, drafter, warmup_ids, max_new_tokens=2, do_sample=False, block_size=args.block_size,
+        candidates=args.candidates, lookup_tokens=args.lookup_tokens,
+    )  # fmt: skip
 
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     out, seconds = _timed(
@@ -152,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
             return_dict_in_generate=True,
             sampling_proposal=args.sampling_proposal,
             candidates=args.candidates,
+            lookup_tokens=args.lookup_tokens,
             **common,
         ),
     )

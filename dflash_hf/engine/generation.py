@@ -63,6 +63,7 @@ def custom_generate(
     block_size: int | str | BlockSizePolicy | None = None,
     sampling_proposal: str = DEFAULT_SAMPLING_PROPOSAL,
     candidates: str = DEFAULT_CANDIDATES,
+    lookup_tokens: int | None = None,
     **model_kwargs,
 ) -> DFlashGenerateOutput | torch.LongTensor:
     """DFlash decoding as a Transformers `custom_generate` callable.
@@ -72,7 +73,7 @@ def custom_generate(
     the drafter's block size for this call, or be `"adaptive"` (see [`AdaptiveBlockSize`]) or a policy object.
     `sampling_proposal` (with `do_sample=True`): `"argmax"` drafts each slot's most likely token, `"sample"` samples
     each slot from the drafter's distribution; both keep the output distributed exactly as the target's.
-    `candidates`: `"dflash"` or `"dflash+lookup"` (see [`generate`]).
+    `candidates`: `"dflash"` or `"dflash+lookup"`, `lookup_tokens`: see [`generate`].
     """
     if drafter is None:
         raise ValueError(
@@ -99,6 +100,7 @@ def custom_generate(
         block_size=block_size,
         sampling_proposal=sampling_proposal,
         candidates=candidates,
+        lookup_tokens=lookup_tokens,
     )
     output = decoder.run()
     return output if generation_config.return_dict_in_generate else output.sequences
@@ -112,6 +114,7 @@ def generate(
     block_size: int | str | BlockSizePolicy | None = None,
     sampling_proposal: str = DEFAULT_SAMPLING_PROPOSAL,
     candidates: str = DEFAULT_CANDIDATES,
+    lookup_tokens: int | None = None,
     **kwargs,
 ) -> DFlashGenerateOutput | torch.LongTensor:
     """Lossless speculative generation with a DFlash drafter.
@@ -122,10 +125,10 @@ def generate(
     `"adaptive"` (chosen every cycle from the measured acceptance profile and costs), or a `BlockSizePolicy`.
     `sampling_proposal` (with `do_sample=True`): `"sample"` (default) samples each slot from the drafter's own
     distribution; `"argmax"` drafts each slot's most likely token and accepts it with the target's probability of it.
-    `candidates="dflash+lookup"` (the default; greedy, float32 or GPU targets): each cycle also verifies a
-    prompt-lookup continuation of the row's own text in the same target forward (a two-branch tree,
-    `dflash_hf.engine.tree`); the longer accepted branch is kept. `candidates="dflash"` verifies the DFlash block
-    alone, as sampling, prefix-dependent logits processors and row-exact bf16 verification always do.
+    `candidates="dflash+lookup"` (the default; greedy): each cycle also verifies a prompt-lookup continuation of the
+    row's own text, at most `lookup_tokens` long (default: the block size - 1), in the same target forward (a
+    two-branch tree, `dflash_hf.engine.tree`); the longer accepted branch is kept. `candidates="dflash"` verifies the
+    DFlash block alone, as sampling and prefix-dependent logits processors always do.
 
     Returns:
         A `(batch, length)` tensor like `model.generate`, or a [`DFlashGenerateOutput`] (sequences + statistics) with
@@ -149,5 +152,6 @@ def generate(
         block_size=block_size,
         sampling_proposal=sampling_proposal,
         candidates=candidates,
+        lookup_tokens=lookup_tokens,
         **kwargs,
     )

@@ -9,6 +9,8 @@ rows, statistics); that is why this module runs past ~400 lines. The pure parts 
 
 from __future__ import annotations
 
+import numbers
+
 import time
 import warnings
 from dataclasses import dataclass
@@ -118,6 +120,7 @@ class GenerationCall:
         block_size: int | str | BlockSizePolicy | None,
         sampling_proposal: str = DEFAULT_SAMPLING_PROPOSAL,
         candidates: str = DEFAULT_CANDIDATES,
+        lookup_tokens: int | None = None,
     ) -> None:
         if candidates not in CANDIDATE_SOURCES:
             raise ValueError(
@@ -129,6 +132,13 @@ class GenerationCall:
                 f"sampling_proposal must be one of {SAMPLING_PROPOSALS}, got {sampling_proposal!r}: 'argmax' drafts "
                 "each slot's most likely token, 'sample' samples each slot from the drafter's distribution."
             )
+        if lookup_tokens is not None and (
+            isinstance(lookup_tokens, bool) or not isinstance(lookup_tokens, numbers.Integral) or lookup_tokens < 1
+        ):
+            raise ValueError(
+                f"lookup_tokens must be an int >= 1 (the longest prompt-lookup continuation verified with the block) "
+                f"or None (the block size - 1), got {lookup_tokens!r}."
+            )
         if not isinstance(drafter, DFlashDraftModel) and type(drafter).__name__ != "DFlashDraftModel":
             raise ValueError(f"`drafter` must be a DFlashDraftModel, got {type(drafter).__name__}.")
         self.adapter = TargetAdapter.for_drafter(target, drafter)
@@ -136,7 +146,6 @@ class GenerationCall:
         self.policy = make_block_size_policy(block_size, int(drafter.config.block_size))
         self.max_block = int(getattr(self.policy, "max_block_size", getattr(self.policy, "block_size", 0)))
         self.device = input_ids.device
-        self.row_exact = _row_exact_verification(target, self.max_block)
         self.do_sample = bool(generation_config.do_sample)
         self.sample_slots = self.do_sample and sampling_proposal == "sample"
         self.process = BlockLogitsProcessor(logits_processor)
@@ -146,6 +155,9 @@ class GenerationCall:
             and not self.do_sample
             and (self.process.is_identity or self.process.prefix_free)
         )
+        self.lookup_tokens = None if lookup_tokens is None else int(lookup_tokens)
+        widest = self.max_block + (self._lookup_length(self.max_block) if self.lookup_branch else 0)
+        self.row_exact = _row_exact_verification(target, widest)
         self.sliding_window = sliding_window_of(target.config)
         self.tree_choice = LookupBranchChoice()
         self.stopping_criteria = stopping_criteria
@@ -300,11 +312,11 @@ class GenerationCall:
             tree = lookups is not None and self.tree_choice.use_tree()
             if not tree:
                 accepted, next_tokens, step = self._verify(state, block_pos, draft_tokens, draft_probs)
-                kept = self._commit(state, block, block_pos, draft_tokens, accepted, next_tokens, step)
+                kept = self._commit(state, block, draft_tokens, accepted, next_tokens, step)
             else:
                 result, step, order, ids = self._verify_tree(state, block_pos, draft_tokens, lookups)
                 path = ids.gather(1, order)[:, 1:]
-                kept = self._commit(state, block, block_pos, path, result.accepted, result.next_token, step, order)
+                kept = self._commit(state, block, path, result.accepted, result.next_token, step, order)
                 for row, lookup_won in zip(state.rows, result.lookup_won.tolist()):
                     self.lookup_wins[row] += int(lookup_won)
             seconds = time.perf_counter() - cycle_start
@@ -382,8 +394,13 @@ class GenerationCall:
         has one: then the cycle verifies the block alone."""
         if not self.lookup_branch:
             return None
-        lookups = [lookup_continuation(self._text(row), block - 1) for row in state.rows]
+        length = min(self._lookup_length(block), self._remaining(state.rows))
+        lookups = [lookup_continuation(self._text(row), length) for row in state.rows]
         return lookups if any(lookups) else None
+
+    def _lookup_length(self, block: int) -> int:
+        """Most tokens of a lookup branch verified with a `block`-token DFlash block."""
+        return block - 1 if self.lookup_tokens is None else self.lookup_tokens
 
     def _text(self, row: int) -> list[int]:
         """The tokens of `row` so far, prompt padding left out."""
@@ -403,9 +420,7 @@ class GenerationCall:
         order = path_order(result.accepted, result.lookup_won, draft_tokens.shape[1], int(result.accepted.max()) + 1)
         return result, step, order, ids
 
-    def _commit(
-        self, state: _ActiveRows, block: int, block_pos, path_tokens, accepted, next_tokens, step, order=None
-    ) -> list[int]:
+    def _commit(self, state: _ActiveRows, block: int, path_tokens, accepted, next_tokens, step, order=None) -> list[int]:
         """5. Anchor + accepted drafts enter the caches, the target's token becomes the next anchor, tokens are
         emitted. `order` (a tree verify): the verified positions of each row's accepted path, in order, which alone
         stay in the cache. Returns the tokens kept per row."""
@@ -420,7 +435,7 @@ class GenerationCall:
         slots = torch.arange(width, device=self.device)
         state.mask = torch.cat([state.mask, (slots[None, :] < kept[:, None]).to(state.mask.dtype)], dim=1)
         state.pending_context_hidden_states = features[:, :width]
-        state.pending_pos = block_pos[:, :width]
+        state.pending_pos = state.committed[:, None] + slots[None, :]  # a lookup path may be longer than the block
         state.pending_shift = width - kept
         state.committed = state.committed + kept
         state.anchors = next_tokens
