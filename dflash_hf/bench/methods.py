@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 from ..engine.acceptance import SAMPLING_PROPOSALS
 from ..engine.adapters import engine_kernels, uses_engine_kernels
 from ..engine.generation import generate
+from ..engine.tree import lookup_branch_length
 from ..modeling import DFlashDraftModel
 from ..runtime import Stopwatch, clock
 
@@ -239,7 +240,7 @@ def default_methods(
         lookup_branch: Include our engine at the smallest block size with a prompt-lookup branch in every verify
             (`candidates="dflash+lookup"`).
         lookup_tokens: With `lookup_branch`, also a row per value with lookup branches of at most that many tokens
-            (`lookup_tokens=N`; the default row's branch is at most the block size - 1).
+            (`lookup_tokens=N`; the default row's branch has the engine's default length, `lookup_branch_length`).
     """
     trained = int(drafter.config.block_size)
     bad = [b for b in block_sizes if int(b) < 2]
@@ -346,7 +347,7 @@ def _engine_methods(
                 block_size=size,
             )
             for length in lookup_tokens
-            if length != size - 1
+            if length != lookup_branch_length(size)
         ]
     return methods
 

@@ -64,8 +64,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--lookup-tokens",
         type=comma_separated_ints,
         default=[],
-        help="Also run the lookup-branch row with branches of at most these many tokens (e.g. 7; default: only the "
-        "engine's default, the block size - 1).",
+        help="Also run the lookup-branch row with branches of at most these many tokens (e.g. 3; default: only the "
+        "engine's default, 7 or the block size - 1 if more).",
     )
     parser.add_argument(
         "--temperatures",

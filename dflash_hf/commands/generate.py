@@ -63,7 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--lookup-tokens",
         type=int,
         default=None,
-        help="Longest prompt-lookup branch verified with the block (default: the block size - 1).",
+        help="Longest prompt-lookup branch verified with the block (default: 7, or the block size - 1 if more).",
     )
     parser.add_argument(
         "--sampling-proposal",

@@ -33,6 +33,7 @@ from .output import DFlashGenerateOutput
 from .processing import BlockLogitsProcessor
 from .tree import (
     LookupBranchChoice,
+    lookup_branch_length,
     lookup_continuation,
     path_order,
     sliding_window_of,
@@ -137,7 +138,7 @@ class GenerationCall:
         ):
             raise ValueError(
                 f"lookup_tokens must be an int >= 1 (the longest prompt-lookup continuation verified with the block) "
-                f"or None (the block size - 1), got {lookup_tokens!r}."
+                f"or None (the default, see `lookup_branch_length`), got {lookup_tokens!r}."
             )
         if not isinstance(drafter, DFlashDraftModel) and type(drafter).__name__ != "DFlashDraftModel":
             raise ValueError(f"`drafter` must be a DFlashDraftModel, got {type(drafter).__name__}.")
@@ -156,7 +157,7 @@ class GenerationCall:
             and (self.process.is_identity or self.process.prefix_free)
         )
         self.lookup_tokens = None if lookup_tokens is None else int(lookup_tokens)
-        widest = self.max_block + (self._lookup_length(self.max_block) if self.lookup_branch else 0)
+        widest = self.max_block + (lookup_branch_length(self.max_block, self.lookup_tokens) if self.lookup_branch else 0)
         self.row_exact = _row_exact_verification(target, widest)
         self.sliding_window = sliding_window_of(target.config)
         self.tree_choice = LookupBranchChoice()
@@ -394,13 +395,10 @@ class GenerationCall:
         has one: then the cycle verifies the block alone."""
         if not self.lookup_branch:
             return None
-        length = min(self._lookup_length(block), self._remaining(state.rows))
+        length = min(lookup_branch_length(block, self.lookup_tokens), self._remaining(state.rows))
         lookups = [lookup_continuation(self._text(row), length) for row in state.rows]
         return lookups if any(lookups) else None
 
-    def _lookup_length(self, block: int) -> int:
-        """Most tokens of a lookup branch verified with a `block`-token DFlash block."""
-        return block - 1 if self.lookup_tokens is None else self.lookup_tokens
 
     def _text(self, row: int) -> list[int]:
         """The tokens of `row` so far, prompt padding left out."""
