@@ -280,7 +280,8 @@ def test_longer_lookup_branch_rows(setup):
     target, drafter, prompts = setup
     methods = bench.default_methods(target, drafter, block_sizes=[4], adaptive=False, lookup_tokens=[3, 7])
     assert [m.name for m in methods][-2:] == ["dflash_b4_lookup", "dflash_b4_lookup3"]  # 7 is the default length
-    assert methods[-1].label == "dflash-hf B=4 + lookup branch (<= 3 tokens)" and "lookup_tokens=3" in methods[-1].description
+    assert methods[-1].label == "dflash-hf B=4 + lookup branch (<= 3 tokens)"
+    assert "lookup_tokens=3" in methods[-1].description
     result = bench.run_bench(
         target, drafter, prompts[:1], max_new_tokens=MAX_NEW, methods=[methods[0], methods[-1]], warmup_tokens=0,
         progress=False, profile_costs=False,

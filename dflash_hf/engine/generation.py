@@ -126,9 +126,9 @@ def generate(
     `sampling_proposal` (with `do_sample=True`): `"sample"` (default) samples each slot from the drafter's own
     distribution; `"argmax"` drafts each slot's most likely token and accepts it with the target's probability of it.
     `candidates="dflash+lookup"` (the default; greedy): each cycle also verifies a prompt-lookup continuation of the
-    row's own text, at most `lookup_tokens` long (default: 7, or the block size - 1 if more), in the same target forward (a
-    two-branch tree, `dflash_hf.engine.tree`); the longer accepted branch is kept. `candidates="dflash"` verifies the
-    DFlash block alone, as sampling and prefix-dependent logits processors always do.
+    row's own text, at most `lookup_tokens` long (default: 7, or the block size - 1 if more), in the same target
+    forward (a two-branch tree, `dflash_hf.engine.tree`); the longer accepted branch is kept. `candidates="dflash"`
+    verifies the DFlash block alone, as sampling and prefix-dependent logits processors always do.
 
     Returns:
         A `(batch, length)` tensor like `model.generate`, or a [`DFlashGenerateOutput`] (sequences + statistics) with

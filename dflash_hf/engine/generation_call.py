@@ -157,7 +157,8 @@ class GenerationCall:
             and (self.process.is_identity or self.process.prefix_free)
         )
         self.lookup_tokens = None if lookup_tokens is None else int(lookup_tokens)
-        widest = self.max_block + (lookup_branch_length(self.max_block, self.lookup_tokens) if self.lookup_branch else 0)
+        branch = lookup_branch_length(self.max_block, self.lookup_tokens) if self.lookup_branch else 0
+        widest = self.max_block + branch  # nodes of the widest verify: row-exact bf16 must cover them all
         self.row_exact = _row_exact_verification(target, widest)
         self.sliding_window = sliding_window_of(target.config)
         self.tree_choice = LookupBranchChoice()
@@ -418,7 +419,9 @@ class GenerationCall:
         order = path_order(result.accepted, result.lookup_won, draft_tokens.shape[1], int(result.accepted.max()) + 1)
         return result, step, order, ids
 
-    def _commit(self, state: _ActiveRows, block: int, path_tokens, accepted, next_tokens, step, order=None) -> list[int]:
+    def _commit(
+        self, state: _ActiveRows, block: int, path_tokens, accepted, next_tokens, step, order=None
+    ) -> list[int]:
         """5. Anchor + accepted drafts enter the caches, the target's token becomes the next anchor, tokens are
         emitted. `order` (a tree verify): the verified positions of each row's accepted path, in order, which alone
         stay in the cache. Returns the tokens kept per row."""
