@@ -10,7 +10,6 @@ rows, statistics); that is why this module runs past ~400 lines. The pure parts 
 from __future__ import annotations
 
 import numbers
-
 import time
 import warnings
 from dataclasses import dataclass
@@ -399,7 +398,6 @@ class GenerationCall:
         length = min(lookup_branch_length(block, self.lookup_tokens), self._remaining(state.rows))
         lookups = [lookup_continuation(self._text(row), length) for row in state.rows]
         return lookups if any(lookups) else None
-
 
     def _text(self, row: int) -> list[int]:
         """The tokens of `row` so far, prompt padding left out."""

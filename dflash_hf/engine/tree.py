@@ -16,7 +16,7 @@ import torch
 
 LOOKUP_NGRAM_SIZES = (3, 2)  # longest n-gram first, as prompt lookup does; 1-grams match too often to pay
 # measured (README, "Two candidates per verify"): with B = 4, branches of up to 7 tokens beat branches of B - 1 on both
-# bench prompt sets; on CPU and GPU a verify of 11 tokens costs about what one of 7 costs
+# bench prompt sets (float32, 2-core CPU, where a verify of 11 tokens costs about what one of 7 costs)
 DEFAULT_LOOKUP_TOKENS = 7
 
 
