@@ -3,9 +3,10 @@
 Whether bf16 pays on a CPU is not a property of its instruction set alone. An exact bf16 verify must give every block
 row the bits of a 1-token step (`engine.row_exact`), which costs per-row attention calls; whether the cheaper bf16
 matmuls make up for that depends on the CPU, the target and the block size. So the first `auto` run on a machine
-measures one cycle (a verify of the largest block plus a draft, as the engine runs them) in float32 and in row-exact
-bfloat16 and keeps the faster; the verdict, with the measured times, is stored in `<dflash-hf cache>/precision.json`
-under the CPU model, torch version, thread count, target and block size, so later runs only read it.
+measures one cycle as the engine runs it (a verify of the widest tree the call will verify, e.g. a block of B plus
+its prompt-lookup branch, and a draft of B tokens) in float32 and in row-exact bfloat16 and keeps the faster; the
+verdict, with the measured times, is stored in `<dflash-hf cache>/precision.json` under the CPU model, torch version,
+thread count, target, block size and verify width, so later runs only read it.
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ from .runtime import cpu_model, native_bf16_feature
 VERDICTS_FILE = "precision.json"
 
 
-def verdict_key(target: str, max_block: int) -> str:
-    """What a stored verdict depends on: CPU model, torch version and threads, target and block size."""
-    return f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {target} | B={max_block}"
+def verdict_key(target: str, max_block: int, verify_tokens: int) -> str:
+    """What a stored verdict depends on: CPU model, torch version and threads, target, block size and verify width."""
+    threads = torch.get_num_threads()
+    return (
+        f"{cpu_model()} | torch {torch.__version__} | {threads} threads | {target} | B={max_block} | W={verify_tokens}"
+    )
 
 
 def _load(target: str, drafter_dir: Path, device: torch.device, dtype: torch.dtype):
@@ -38,33 +42,35 @@ def _load(target: str, drafter_dir: Path, device: torch.device, dtype: torch.dty
     return model, tokenizer, drafter
 
 
-def _cycle_ms(model: PreTrainedModel, drafter: DFlashDraftModel, max_block: int) -> float:
-    """Verify of `max_block` tokens + a draft of that block, in ms, as the engine runs them."""
+def _cycle_ms(model: PreTrainedModel, drafter: DFlashDraftModel, max_block: int, verify_tokens: int) -> float:
+    """Verify of `verify_tokens` tokens + a draft of a `max_block` block, in ms, as the engine runs them."""
     from .bench.profile import measure_costs
 
-    costs = measure_costs(model, drafter, token_counts=(max_block,), context_tokens=128, repeats=3)
-    return costs["target_ms"][str(max_block)] + costs["drafter_ms"].get(str(max_block), 0.0)
+    counts = tuple(sorted({max_block, verify_tokens}))
+    costs = measure_costs(model, drafter, token_counts=counts, context_tokens=128, repeats=3)
+    return costs["target_ms"][str(verify_tokens)] + costs["drafter_ms"].get(str(max_block), 0.0)
 
 
 def measured_choice(
-    target: str, drafter_dir: Path, device: torch.device, max_block: int, cache: Path
+    target: str, drafter_dir: Path, device: torch.device, max_block: int, verify_tokens: int, cache: Path
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, DFlashDraftModel, str]:
-    """Load `(target, tokenizer, drafter, precision)` in the precision that runs a cycle faster on this CPU, measuring
-    it on the first run (see the module docstring) and reading the stored verdict afterwards."""
+    """Load `(target, tokenizer, drafter, precision)` in the precision that runs a cycle (a `verify_tokens`-token verify
+    and a `max_block` draft) faster on this CPU, measuring it on the first run (see the module docstring) and reading
+    the stored verdict afterwards."""
     path = cache / VERDICTS_FILE
     try:
         verdicts = json.loads(path.read_text())
     except (OSError, ValueError):
         verdicts = {}
-    key = verdict_key(target, max_block)
+    key = verdict_key(target, max_block, verify_tokens)
     feature = native_bf16_feature()
     verdict = verdicts.get(key)
     if verdict is None:
         fp32 = _load(target, drafter_dir, device, torch.float32)
-        fp32_ms = _cycle_ms(fp32[0], fp32[2], max_block)
+        fp32_ms = _cycle_ms(fp32[0], fp32[2], max_block, verify_tokens)
         bf16 = _load(target, drafter_dir, device, torch.bfloat16)
-        exact = row_exact.install(bf16[0], max_block)
-        bf16_ms = _cycle_ms(bf16[0], bf16[2], max_block) if exact else None
+        exact = row_exact.install(bf16[0], verify_tokens)
+        bf16_ms = _cycle_ms(bf16[0], bf16[2], max_block, verify_tokens) if exact else None
         faster_bf16 = bf16_ms is not None and bf16_ms < fp32_ms
         verdict = {
             "dtype": "bfloat16" if faster_bf16 else "float32",
@@ -79,13 +85,14 @@ def measured_choice(
         model, tokenizer, drafter = bf16 if faster_bf16 else fp32
     else:
         model, tokenizer, drafter = _load(target, drafter_dir, device, getattr(torch, verdict["dtype"]))
-        if model.dtype != torch.float32 and not row_exact.install(model, max_block):
+        if model.dtype != torch.float32 and not row_exact.install(model, verify_tokens):
             model, tokenizer, drafter = _load(target, drafter_dir, device, torch.float32)
     if not verdict["bfloat16_exact"]:
         why = "its block verification is not bit-exact here"
     else:
+        cycle = f"B={max_block}" if verify_tokens == max_block else f"B={max_block} (verify of {verify_tokens} tokens)"
         why = (
-            f"a B={max_block} cycle measured {verdict['bfloat16_cycle_ms']} ms in row-exact bfloat16 vs "
+            f"a {cycle} cycle measured {verdict['bfloat16_cycle_ms']} ms in row-exact bfloat16 vs "
             f"{verdict['float32_cycle_ms']} ms in float32"
         )
     reason = (

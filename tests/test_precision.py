@@ -13,6 +13,8 @@ from test_targets import make_llama, save_tiny_target
 from dflash_hf import DFlashConfig, DFlashDraftModel, cli, generate, runtime, targets
 from dflash_hf import precision as precision_module
 from dflash_hf.bench.profile import measure_costs
+from dflash_hf.commands import bench as bench_command
+from dflash_hf.commands import generate as generate_command
 from dflash_hf.commands import load_models
 from dflash_hf.engine import row_exact
 
@@ -159,20 +161,53 @@ def test_auto_measures_once_and_keeps_the_faster_precision(monkeypatch, folders,
     monkeypatch.setattr(runtime, "native_bf16_feature", lambda: "AMX-BF16")
     timed = []
 
-    def cycle_ms(model, drafter, max_block):
-        timed.append(model.dtype)
+    def cycle_ms(model, drafter, max_block, verify_tokens):
+        timed.append((model.dtype, max_block, verify_tokens))
         return bf16_ms if model.dtype == torch.bfloat16 else 10.0
 
     monkeypatch.setattr(precision_module, "_cycle_ms", cycle_ms)
     target, _, drafter, precision = load_models(str(target_dir), drafter_dir, torch.device("cpu"), "auto", 4)
-    assert target.dtype == drafter.dtype == expected and timed == [torch.float32, torch.bfloat16]
-    assert f"measured {bf16_ms} ms in row-exact bfloat16 vs 10.0 ms in float32" in precision
+    assert target.dtype == drafter.dtype == expected and timed == [(torch.float32, 4, 4), (torch.bfloat16, 4, 4)]
+    assert f"a B=4 cycle measured {bf16_ms} ms in row-exact bfloat16 vs 10.0 ms in float32" in precision
     # the stored verdict is read, not measured again
     target, _, _, again = load_models(str(target_dir), drafter_dir, torch.device("cpu"), "auto", 4)
     assert target.dtype == expected and len(timed) == 2 and again == precision
     # another block size is another verdict (so are another CPU, torch version, thread count or target)
     load_models(str(target_dir), drafter_dir, torch.device("cpu"), "auto", 2)
     assert len(timed) == 4
+    # so is another verify width (a block of 4 with a 7-token lookup branch): the cycle timed is the tree's verify
+    _, _, _, tree = load_models(str(target_dir), drafter_dir, torch.device("cpu"), "auto", 4, verify_tokens=11)
+    assert timed[4:] == [(torch.float32, 4, 11), (torch.bfloat16, 4, 11)]
+    assert "a B=4 (verify of 11 tokens) cycle measured" in tree
+
+
+def test_auto_measures_the_cycle_each_command_runs(monkeypatch, folders, tmp_path):
+    """generate and bench time the widest verify they will run: the block plus its lookup branch when greedy."""
+    target_dir, drafter_dir = folders
+    widths = []
+
+    def load(target, drafter_dir, device, dtype, max_block, verify_tokens=None):
+        widths.append((max_block, verify_tokens))
+        raise RuntimeError("stop after choosing the precision")
+
+    for module in (generate_command, bench_command):
+        monkeypatch.setattr(module, "load_models", load)
+    runs = {
+        ("generate",): (4, 11),  # the drafter's block of 4 + the default 7-token branch
+        ("generate", "--lookup-tokens", "2"): (4, 6),
+        ("generate", "--candidates", "dflash"): (4, 4),
+        ("generate", "--temperature", "0.7"): (4, 4),  # sampling verifies the block alone
+        ("generate", "--block-size", "3"): (3, 10),
+        ("bench", "--block-sizes", "2,4"): (4, 9),  # the lookup rows take the smallest block
+        ("bench", "--block-sizes", "2,4", "--lookup-tokens", "9"): (4, 11),
+        ("bench", "--block-sizes", "2,4", "--no-lookup-branch"): (4, 4),
+    }
+    for argv, expected in runs.items():
+        command, *flags = argv
+        prompt = ["hello"] if command == "generate" else ["--out", str(tmp_path / "bench")]
+        with pytest.raises(RuntimeError, match="stop after"):
+            cli.main([command, *prompt, "--target", str(target_dir), "--drafter", str(drafter_dir), *flags])
+        assert widths.pop() == expected, argv
 
 
 def test_cost_profile_measures_every_count_and_block():

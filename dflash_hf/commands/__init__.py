@@ -8,13 +8,21 @@ from pathlib import Path
 import torch
 
 
-def load_models(target: str, drafter_dir: Path, device: torch.device, dtype: str = "float32", max_block: int = 16):
+def load_models(
+    target: str,
+    drafter_dir: Path,
+    device: torch.device,
+    dtype: str = "float32",
+    max_block: int = 16,
+    verify_tokens: int | None = None,
+):
     """Load `(target, tokenizer, drafter, precision)` on `device`, the drafter in the target's dtype, without loading
     bars. `precision` says which dtype was used and why.
 
-    `dtype="auto"`: bfloat16 on CUDA; on a CPU that computes bf16 natively, the precision that runs a DFlash cycle
-    of `max_block` tokens faster, measured once per machine (`dflash_hf.precision`); float32 on other CPUs. A
-    reduced-precision target on CPU is made row-exact for blocks of up to `max_block` tokens
+    `verify_tokens` is the widest verify the caller will run (a block of `max_block` plus a prompt-lookup branch;
+    default `max_block`). `dtype="auto"`: bfloat16 on CUDA; on a CPU that computes bf16 natively, the precision that
+    runs such a DFlash cycle faster, measured once per machine (`dflash_hf.precision`); float32 on other CPUs. A
+    reduced-precision target on CPU is made row-exact for verifies of up to `verify_tokens` tokens
     (`engine.row_exact.install`); asked for explicitly where that is not bit-exact, it is kept and the reason says so.
     """
     from transformers.utils import logging as hf_logging
@@ -25,15 +33,16 @@ def load_models(target: str, drafter_dir: Path, device: torch.device, dtype: str
     from ..runtime import inference_dtype
     from ..targets import cache_dir, load_target
 
+    verify_tokens = max_block if verify_tokens is None else verify_tokens
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # loading bars would interleave with the output; cache builds show their own
     try:
         chosen, reason = inference_dtype(dtype, device)
         if dtype == "auto" and device.type == "cpu" and chosen != torch.float32:  # native bf16: measure which pays
-            return measured_choice(target, drafter_dir, device, max_block, cache_dir())
+            return measured_choice(target, drafter_dir, device, max_block, verify_tokens, cache_dir())
         model, tokenizer = load_target(target, dtype=chosen, device=device)
         if device.type == "cpu" and chosen != torch.float32:
-            exact = row_exact.install(model, max_block)
+            exact = row_exact.install(model, verify_tokens)
             reason += "; block verification checked bit-exact" if exact else "; block verification NOT bit-exact here"
         drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=model.dtype).to(device).eval()
     finally:

@@ -22,6 +22,7 @@ from ..engine.acceptance import DEFAULT_SAMPLING_PROPOSAL, SAMPLING_PROPOSALS
 from ..engine.checks import check_context_length
 from ..engine.generation import generate
 from ..engine.generation_call import CANDIDATE_SOURCES, DEFAULT_CANDIDATES
+from ..engine.tree import verify_width
 from ..modeling import DFlashConfig
 from ..runtime import Stopwatch, available_cpus, default_device
 from ..targets import resolve_drafter_dir
@@ -135,7 +136,9 @@ def run(args: argparse.Namespace) -> int:
         )
 
     max_block = args.block_size or int(drafter_config.block_size)
-    target, tokenizer, drafter, precision = load_models(args.target, drafter_dir, device, args.dtype, max_block)
+    lookup_branch = args.candidates == "dflash+lookup" and not sampling.get("do_sample", False)
+    widest = verify_width(max_block, lookup_branch, args.lookup_tokens)
+    target, tokenizer, drafter, precision = load_models(args.target, drafter_dir, device, args.dtype, max_block, widest)
     inputs = _encode(tokenizer, args.prompt, use_template=not args.no_chat_template)
     inputs = {key: value.to(device) for key, value in inputs.items()}
     check_context_length(target, inputs["input_ids"].shape[1], args.max_new_tokens)  # before any forward on the prompt

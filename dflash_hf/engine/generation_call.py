@@ -39,6 +39,7 @@ from .tree import (
     tree_accept,
     tree_attention_mask,
     tree_layout,
+    verify_width,
 )
 
 CANDIDATE_SOURCES = ("dflash", "dflash+lookup")
@@ -156,8 +157,7 @@ class GenerationCall:
             and (self.process.is_identity or self.process.prefix_free)
         )
         self.lookup_tokens = None if lookup_tokens is None else int(lookup_tokens)
-        branch = lookup_branch_length(self.max_block, self.lookup_tokens) if self.lookup_branch else 0
-        widest = self.max_block + branch  # nodes of the widest verify: row-exact bf16 must cover them all
+        widest = verify_width(self.max_block, self.lookup_branch, self.lookup_tokens)
         self.row_exact = _row_exact_verification(target, widest)
         self.sliding_window = sliding_window_of(target.config)
         self.tree_choice = LookupBranchChoice()

@@ -26,6 +26,12 @@ def lookup_branch_length(block: int, lookup_tokens: int | None = None) -> int:
     return max(block - 1, DEFAULT_LOOKUP_TOKENS) if lookup_tokens is None else lookup_tokens
 
 
+def verify_width(block: int, lookup_branch: bool, lookup_tokens: int | None = None) -> int:
+    """Tokens of the widest verify with a `block`-token DFlash block: the block, plus its longest lookup branch when
+    the verify carries one (row-exact reduced-precision verification must cover them all)."""
+    return block + (lookup_branch_length(block, lookup_tokens) if lookup_branch else 0)
+
+
 def lookup_continuation(sequence: list[int], max_tokens: int, ngram_sizes=LOOKUP_NGRAM_SIZES) -> list[int]:
     """The tokens that followed the latest earlier occurrence of the sequence's trailing n-gram (at most
     `max_tokens`; empty when no n-gram of `ngram_sizes` recurs)."""
