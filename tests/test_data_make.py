@@ -211,6 +211,74 @@ def test_reply_of_reads_the_turn_after_the_prompt():
     assert prompts_mod.reply_of({"prompt": "q"}) is None
 
 
+def _conversations(path, count: int):
+    """A JSONL source of `count` ShareGPT-style conversations; odd ones have a second user turn, none a third."""
+    rows = []
+    for i in range(count):
+        turns = [{"from": "system", "value": "be brief"}, {"from": "human", "value": f"first question {i}"}]
+        turns.append({"from": "gpt", "value": f"first answer {i}"})
+        if i % 2:
+            turns += [{"from": "human", "value": f"follow-up {i}"}, {"from": "gpt", "value": f"second answer {i}"}]
+        rows.append({"id": f"c{i}_0", "conversations": turns})
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_later_turns_prompt_after_the_conversation_before_them(target, tmp_path):
+    src = _conversations(tmp_path / "chats.jsonl", 10)
+    train, held, counts = load_prompts(str(src), held_out_fraction=0.4, turn=2)
+    prompts = {p.id: p for p in train + held}
+    assert set(prompts) == {f"c{i}_0#turn2" for i in range(1, 10, 2)} and counts["no_prompt"] == 5
+    third = prompts["c3_0#turn2"]
+    assert third.text == "follow-up 3" and third.reply == "second answer 3"
+    assert third.history == (("user", "first question 3"), ("assistant", "first answer 3"))  # system turn left out
+    # the split is by conversation: a conversation's later turn is held out exactly when its first turn is
+    first_train, first_held, _ = load_prompts(str(src), held_out_fraction=0.4)
+    assert {p.id + "#turn2" for p in first_held} & set(prompts) == {p.id for p in held}
+    assert all(p.history == () for p in first_train + first_held)
+    assert load_prompts(str(src), turn=3)[2]["no_prompt"] == 10
+    with pytest.raises(ValueError, match="turn must be >= 1"):
+        load_prompts(str(src), turn=0)
+
+    tok = make_tokenizer()
+    manifest = make_data(
+        target,
+        tok,
+        tmp_path / "out",
+        source=str(src),
+        max_new_tokens=6,
+        held_out_fraction=0.4,
+        turn=2,
+        progress=False,
+    )
+    data = load_training_data(tmp_path / "out")
+    assert sorted(data["id"]) == sorted(p.id for p in train) and manifest["settings"]["turn"] == 2
+    for row in data:
+        prompt = prompts[row["id"]]
+        messages = [{"role": r, "content": t} for r, t in prompt.history] + [{"role": "user", "content": prompt.text}]
+        rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert row["input_ids"][: row["prompt_length"]] == tok(rendered, add_special_tokens=False)["input_ids"]
+    # the held-out prompts are written with their history, and read back as the same prompts
+    held_file = tmp_path / "out" / "held_out.jsonl"
+    again, _, _ = load_prompts(str(held_file), held_out_fraction=0.0)
+    assert [(p.id, p.text, p.history) for p in again] == [(p.id, p.text, p.history) for p in held]
+    # a folder made with one turn does not resume with another
+    with pytest.raises(ValueError, match="turn"):
+        make_data(
+            target, tok, tmp_path / "out", source=str(src), max_new_tokens=6, held_out_fraction=0.4, progress=False
+        )
+
+
+def test_plain_text_prompts_join_the_turns_with_blank_lines():
+    tok = make_tokenizer(chat_template=False)
+    history = (("user", "hello there"), ("assistant", "hi"))
+    assert (
+        prompts_mod.encode_prompt(tok, "and now?", history=history) == tok("hello there\n\nhi\n\nand now?")["input_ids"]
+    )
+    with pytest.raises(ValueError, match="list of \\[role, text\\] pairs"):
+        prompts_mod.history_of({"prompt": "q", "history": [["system", "x"]]})
+
+
 def test_max_samples_and_plain_text_prompts(target, tmp_path):
     tok = make_tokenizer(chat_template=False)
     src = write_prompts(tmp_path / "p.jsonl")

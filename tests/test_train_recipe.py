@@ -422,11 +422,11 @@ def test_a_saved_bf16_drafter_continues_training_in_fp32(tiny, tmp_path):
 
 @pytest.mark.parametrize(
     "recipe",
-    sorted((__import__("pathlib").Path(__file__).parents[1] / "examples" / "recipes").glob("*.yaml")),
-    ids=lambda p: p.name,
+    sorted((__import__("pathlib").Path(__file__).parents[1] / "examples" / "recipes").rglob("*.yaml")),
+    ids=lambda p: f"{p.parent.name}/{p.name}",
 )
 def test_shipped_recipes_parse(recipe):
-    """Every recipe under examples/recipes/ is a valid `dflash-hf train --config` file."""
+    """Every recipe under examples/recipes/ (ablations/ included) is a valid `dflash-hf train --config` file."""
     import yaml
 
     from dflash_hf.commands.train import _trl_parser

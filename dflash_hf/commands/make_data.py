@@ -30,6 +30,13 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="Seed of the id-hash train/held-out split.")
     parser.add_argument("--no-chat-template", action="store_true", help="Tokenise prompts as plain text.")
     parser.add_argument(
+        "--turn",
+        type=int,
+        default=1,
+        help="Prompt with each conversation's N-th user turn, after the conversation before it as the source wrote it "
+        "(default: 1, the first; conversations with fewer turns are skipped; row ids end in #turnN).",
+    )
+    parser.add_argument(
         "--responses",
         choices=("regenerate", "source"),
         default="regenerate",
@@ -57,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_samples is not None and args.max_samples < 1:
         raise ValueError(f"--max-samples must be >= 1, got {args.max_samples}.")
+    if args.turn < 1:
+        raise ValueError(f"--turn must be >= 1 (1 = the first user turn), got {args.turn}.")
     check_output_folder(args.out)  # before the (slow) target load
     target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device or default_device())
     manifest = make_data(
@@ -71,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         held_out_fraction=args.held_out_fraction,
         seed=args.seed,
+        turn=args.turn,
         use_chat_template=False if args.no_chat_template else None,
         responses=args.responses,
         features_dir=args.features_out,

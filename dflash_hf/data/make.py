@@ -128,7 +128,8 @@ def _check_settings(out: Path, settings: dict) -> None:
     path = out / "parts" / SETTINGS_NAME
     if path.is_file():
         old = json.loads(path.read_text())
-        diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+        keys = [*settings, *(k for k in old if k not in settings)]  # a setting recorded only when set counts too
+        diff = {k: (old.get(k), settings.get(k)) for k in keys if old.get(k) != settings.get(k)}
         if diff:
             detail = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
             raise ValueError(
@@ -178,7 +179,7 @@ def _encoded(
         if need_reply and prompt.reply is None:
             skipped["no_reply"] += 1
             continue
-        ids = encode_prompt(tokenizer, prompt.text, use_chat_template)
+        ids = encode_prompt(tokenizer, prompt.text, use_chat_template, prompt.history)
         if len(ids) > max_prompt_tokens:
             skipped["long"] += 1
             continue
@@ -258,6 +259,7 @@ def make_data(
     batch_size: int = 8,
     held_out_fraction: float = 0.01,
     seed: int = 0,
+    turn: int = 1,
     use_chat_template: bool | None = None,
     responses: str = "regenerate",
     features_dir: str | os.PathLike | None = None,
@@ -268,7 +270,9 @@ def make_data(
     """Regenerate responses with `target` for the train prompts of `source` into `out_dir`; returns the manifest.
 
     `responses="source"` keeps the source's own replies (teacher-forced data, cut to `max_new_tokens` and closed with
-    the target's end-of-turn token) instead of generating; prompts without a reply are skipped. With `features_dir`
+    the target's end-of-turn token) instead of generating; prompts without a reply are skipped. `turn=N` prompts with
+    each conversation's N-th user turn after the conversation before it as the source wrote it (more prompts from
+    the same source; their ids end in `#turnN`). With `features_dir`
     the tapped features of `target_layer_ids` (and with `final_hidden` the final hidden states) of every row are
     stored there as the rows are made (`dflash_hf.data.capture`), in the format of `dflash-hf cache-features`."""
     # one sequence (check, read prompts and finished parts, make the missing rows, publish); the signature and the
@@ -277,7 +281,7 @@ def make_data(
     if use_chat_template is None:
         use_chat_template = bool(getattr(tokenizer, "chat_template", None))
     check_output_folder(out_dir)
-    train, held, counts = load_prompts(source, held_out_fraction, seed)
+    train, held, counts = load_prompts(source, held_out_fraction, seed, turn)
     out = Path(out_dir)
     (out / "parts").mkdir(parents=True, exist_ok=True)
     settings = {
@@ -291,6 +295,8 @@ def make_data(
         "chat_template": bool(use_chat_template),
         "decoding": "greedy" if responses == "regenerate" else "source replies (teacher-forced)",
     }
+    if turn != 1:  # recorded only when set, so folders made before the option resume unchanged
+        settings["turn"] = int(turn)
     _check_settings(out, settings)
     for leftover in (out / "parts").glob(".part-*.tmp"):
         leftover.unlink()
@@ -353,7 +359,8 @@ def _check_arguments(
 def _publish(out: Path, done: list[dict], held: list[Prompt], manifest: dict[str, Any]) -> None:
     """(Re)write the dataset, the held-out prompts and the manifest of a make-data folder from its part records."""
     write_dataset(out, done)
-    atomic_write_text(out / "held_out.jsonl", "".join(json.dumps({"id": p.id, "prompt": p.text}) + "\n" for p in held))
+    rows = ({"id": p.id, "prompt": p.text, **({"history": p.history} if p.history else {})} for p in held)
+    atomic_write_text(out / "held_out.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
     atomic_write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=1))
 
 

