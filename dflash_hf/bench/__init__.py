@@ -4,7 +4,7 @@
 `bench.json`, `bench.md` and the plots. How every number is derived: docs/design.md, "Benchmark".
 
     >>> from dflash_hf import bench
-    >>> from dflash_hf.data.prompts import load_bench_prompts
+    >>> from dflash_hf.bench import load_bench_prompts
     >>> prompts, _ = load_bench_prompts("humaneval", tokenizer, num_prompts=10)
     >>> result = bench.run_bench(target, drafter, prompts, max_new_tokens=128)
     >>> print(bench.markdown_table(result))
@@ -12,8 +12,8 @@
     >>> print(bench.render_markdown("bench-out/bench.json"))  # README results section
 """
 
-from ..data.prompts import PROMPT_SETS, BenchPrompt, load_bench_prompts
-from .methods import DEFAULT_BLOCK_SIZES, BenchMethod, MethodRun, default_methods, sampling_methods
+from .methods import DEFAULT_BLOCK_SIZES, BenchMethod, MethodRun, default_methods, sampling_methods, widest_verify
+from .prompts import PROMPT_SETS, BenchPrompt, load_bench_prompts
 from .report import JSON_NAME, MARKDOWN_NAME, PLOT_NAMES, markdown_table, render_markdown, write_outputs, write_plots
 from .run import (
     BENCH_FORMAT,
@@ -42,6 +42,7 @@ __all__ = [
     "PromptResult",
     "MethodRun",
     "default_methods",
+    "widest_verify",
     "sampling_methods",
     "hardware_info",
     "load_bench_prompts",

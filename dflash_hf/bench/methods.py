@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 from ..engine.acceptance import SAMPLING_PROPOSALS
 from ..engine.adapters import engine_kernels, uses_engine_kernels
 from ..engine.generation import generate
-from ..engine.tree import lookup_branch_length
+from ..engine.tree import lookup_branch_length, verify_width
 from ..modeling import DFlashDraftModel
 from ..runtime import Stopwatch, clock
 
@@ -250,7 +250,7 @@ def default_methods(
         raise ValueError(f"prompt_lookup_num_tokens must be >= 1, got {prompt_lookup_num_tokens}.")
     if any(int(n) < 1 for n in lookup_tokens):
         raise ValueError(f"Lookup branch lengths must be >= 1, got {list(lookup_tokens)}.")
-    sizes = sorted({int(b) for b in block_sizes if int(b) <= trained})
+    sizes = _fitting_sizes(block_sizes, trained)
     if not sizes and block_sizes:
         raise ValueError(
             f"None of the block sizes {list(block_sizes)} fits the drafter's trained block size {trained}: pass block "
@@ -259,6 +259,20 @@ def default_methods(
     return _transformers_methods(target, drafter, prompt_lookup_num_tokens) + _engine_methods(
         target, drafter, sizes, adaptive, lookup_branch, [int(n) for n in lookup_tokens]
     )
+
+
+def _fitting_sizes(block_sizes: Sequence[int], trained: int) -> list[int]:
+    """The block sizes a drafter trained with blocks of `trained` can run, ascending (the lookup rows take the first)."""
+    return sorted({int(b) for b in block_sizes if int(b) <= trained})
+
+
+def widest_verify(block_sizes: Sequence[int], trained: int, lookup_branch: bool, lookup_tokens: Sequence[int]) -> int:
+    """Tokens of the widest verify among [`default_methods`]' rows: the drafter's block, or the lookup rows' block
+    (the smallest size that fits) plus their longest branch."""
+    sizes = _fitting_sizes(block_sizes, trained)
+    if not lookup_branch or not sizes:
+        return trained
+    return max(trained, *(verify_width(sizes[0], True, n) for n in [None, *lookup_tokens]))
 
 
 def _transformers_methods(

@@ -20,12 +20,12 @@ import transformers
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ..data.prompts import BenchPrompt
 from ..engine.acceptance import acceptance_rate_by_slot
 from ..modeling import DFlashDraftModel
 from ..runtime import available_cpus, cpu_model
 from .methods import BenchMethod, MethodRun, default_methods
 from .profile import measure_costs
+from .prompts import BenchPrompt
 
 BENCH_FORMAT = "dflash-hf-bench/1"
 
@@ -263,7 +263,7 @@ def run_bench(
     Args:
         target: The target model (eval mode, on its device).
         drafter: A DFlash drafter built for `target`, on the same device.
-        prompts: The prompts (see [`dflash_hf.data.prompts.load_bench_prompts`]; any `BenchPrompt` with token ids works).
+        prompts: The prompts (see [`dflash_hf.bench.prompts.load_bench_prompts`]; any `BenchPrompt` with token ids works).
         max_new_tokens: Most new tokens per prompt.
         methods: The methods to compare (default: [`default_methods`]); the first one is the reference for
             speedup and exactness and should be plain greedy decoding; a method with a `baseline` is compared with

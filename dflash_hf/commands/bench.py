@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from .. import bench
-from ..engine.tree import verify_width
 from ..modeling import DFlashConfig
 from ..runtime import available_cpus
 from ..targets import resolve_drafter_dir
@@ -176,15 +175,6 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--out {args.out} exists and is not a folder: pass a folder path.")
 
 
-def _widest_verify(args: argparse.Namespace, max_block: int) -> int:
-    """Tokens of the widest verify of any row: the drafter's block, or the lookup rows' block (the smallest block
-    size that fits) plus their longest branch."""
-    fitting = [size for size in args.block_sizes if size <= max_block]
-    if args.no_lookup_branch or not fitting:
-        return max_block
-    return max(max_block, *(verify_width(min(fitting), True, n) for n in [None, *args.lookup_tokens]))
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the `bench` sub-command; returns the exit code (1 when an output differs from greedy)."""
     # a straight sequence (check flags, load prompts and models, run, write, print); splitting it would only pass
@@ -201,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
 
     max_block = int(DFlashConfig.from_pretrained(drafter_dir).block_size)  # no method verifies a larger block
-    widest = _widest_verify(args, max_block)
+    widest = bench.widest_verify(args.block_sizes, max_block, not args.no_lookup_branch, args.lookup_tokens)
     target, tokenizer, drafter, precision = load_models(args.target, drafter_dir, device, args.dtype, max_block, widest)
     prompts, prompt_info = bench.load_bench_prompts(
         args.prompts,
