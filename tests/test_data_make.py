@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 
 import pytest
 import torch
@@ -149,6 +150,21 @@ def test_parts_are_gzipped_byte_stable_and_older_plain_parts_still_resume(target
     a, b = load_training_data(tmp_path / "full"), load_training_data(tmp_path / "old")
     assert list(b["id"])[:4] == list(a["id"])[:4]
     assert {r["id"]: r["input_ids"] for r in a} == {r["id"]: r["input_ids"] for r in b}
+
+
+def test_rebuilding_a_folder_from_its_parts_keeps_its_manifest(target, tmp_path):
+    """The README's rebuild (the same command on a folder whose rows are all made) rewrites `dataset/` from the parts
+    but leaves `manifest.json` byte for byte as the generating run wrote it, so a checkout stays clean."""
+    tok = make_tokenizer()
+    src = write_prompts(tmp_path / "p.jsonl")
+    kwargs = dict(source=str(src), max_new_tokens=8, held_out_fraction=0.0, batch_size=2, progress=False)
+    made = make_data(target, tok, tmp_path / "run", **kwargs)
+    written = (tmp_path / "run" / "manifest.json").read_bytes()
+    shutil.rmtree(tmp_path / "run" / "dataset")
+    rebuilt = make_data(target, tok, tmp_path / "run", **kwargs)
+    assert (tmp_path / "run" / "manifest.json").read_bytes() == written
+    assert rebuilt == made and made["counts"]["generated_this_run"] == made["counts"]["samples"] > 0
+    assert len(load_training_data(tmp_path / "run")) == made["counts"]["samples"]
 
 
 def test_teacher_forced_data_keeps_the_source_replies(target, tmp_path, monkeypatch):
