@@ -21,7 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from .engine import row_exact
 from .fileio import atomic_write_text
 from .modeling import DFlashDraftModel
-from .runtime import cpu_model, native_bf16_feature
+from . import runtime
 
 VERDICTS_FILE = "precision.json"
 
@@ -30,7 +30,7 @@ def verdict_key(target: str, max_block: int, verify_tokens: int) -> str:
     """What a stored verdict depends on: CPU model, torch version and threads, target, block size and verify width."""
     threads = torch.get_num_threads()
     return (
-        f"{cpu_model()} | torch {torch.__version__} | {threads} threads | {target} | B={max_block} | W={verify_tokens}"
+        f"{runtime.cpu_model()} | torch {torch.__version__} | {threads} threads | {target} | B={max_block} | W={verify_tokens}"
     )
 
 
@@ -63,7 +63,7 @@ def measured_choice(
     except (OSError, ValueError):
         verdicts = {}
     key = verdict_key(target, max_block, verify_tokens)
-    feature = native_bf16_feature()
+    feature = runtime.native_bf16_feature()  # through the module: tests stand in for the host's CPU
     verdict = verdicts.get(key)
     if verdict is None:
         fp32 = _load(target, drafter_dir, device, torch.float32)
