@@ -28,10 +28,8 @@ VERDICTS_FILE = "precision.json"
 
 def verdict_key(target: str, max_block: int, verify_tokens: int) -> str:
     """What a stored verdict depends on: CPU model, torch version and threads, target, block size and verify width."""
-    threads = torch.get_num_threads()
-    return (
-        f"{runtime.cpu_model()} | torch {torch.__version__} | {threads} threads | {target} | B={max_block} | W={verify_tokens}"
-    )
+    host = f"{runtime.cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    return f"{host} | {target} | B={max_block} | W={verify_tokens}"
 
 
 def _load(target: str, drafter_dir: Path, device: torch.device, dtype: torch.dtype):
