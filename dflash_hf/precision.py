@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from . import runtime
 from .engine import row_exact
 from .fileio import atomic_write_text
 from .modeling import DFlashDraftModel
-from . import runtime
 
 VERDICTS_FILE = "precision.json"
 
