@@ -166,6 +166,13 @@ def test_cache_features_resumes(tiny, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         cache_features(target, data, tmp_path / "f", [1, 3], batch_size=1, shard_bytes=1, progress=False)
     assert len(read_index(tmp_path / "f")["shards"]) == 2
+    # a run that reads only the rows cached so far can start (max_train_samples), one that reads more cannot
+    partial = OfflineFeatureDataset(data, tmp_path / "f", [1, 3], rows_read=2)
+    assert partial[1]["context_hidden_states"].shape[0] == len(data[1]["input_ids"])
+    with pytest.raises(ValueError, match="cover 2 of the 3 rows this run reads"):
+        OfflineFeatureDataset(data, tmp_path / "f", [1, 3], rows_read=3)
+    with pytest.raises(ValueError, match="lower max_train_samples"):
+        OfflineFeatureDataset(data, tmp_path / "f", [1, 3])
     monkeypatch.setattr(features, "save_file", real)
     index = cache_features(target, data, tmp_path / "f", [1, 3], batch_size=1, shard_bytes=1, progress=False)
     assert [s["start"] for s in index["shards"]] == list(range(len(data)))

@@ -65,7 +65,8 @@ class DFlashTrainingConfig(TrainingArguments):
         muon (`bool`, defaults to `False`): Optimise the drafter's 2-D weight matrices with `torch.optim.Muon`
             (learning rate matched to AdamW's update RMS) and the rest (norms) with AdamW.
         max_train_samples (`int`, *optional*): Train on the first N rows of the training data only (ablations on a
-            subset of a cached dataset); counted from `skip_train_samples`.
+            subset of a cached dataset); counted from `skip_train_samples`. Offline features need to cover only
+            these rows, so a run can start while `cache-features` is still working through the rest.
         skip_train_samples (`int`, defaults to `0`): Leave out the first N rows of the training data: continue a
             drafter on the rows a grown make-data folder added since its last stage (offline features stay aligned).
         early_stopping_patience (`int`, *optional*): Stop when the evaluation metric (`metric_for_best_model`, by

@@ -130,17 +130,6 @@ def _training_dataset(train_dataset, args: DFlashTrainingConfig, model: DFlashDr
     `skip_train_samples` left out and cut to `max_train_samples`."""
     if train_dataset is None:
         return None
-    if args.features == "offline":
-        from dflash_hf.data.features import OfflineFeatureDataset
-
-        if not isinstance(train_dataset, OfflineFeatureDataset):
-            train_dataset = OfflineFeatureDataset(train_dataset, args.features_dir, model.config.target_layer_ids)
-        if (float(args.distill_weight) > 0 or args.hard_labels == "target") and not train_dataset.has_final_hidden:
-            raise ValueError(
-                f"distill_weight={args.distill_weight} needs the target's final hidden states, but the features in "
-                f"{args.features_dir} were cached without them: recache with `dflash-hf cache-features` (without "
-                "--no-final-hidden), use features='online', or set distill_weight 0."
-            )
     first = int(args.skip_train_samples)
     if first >= len(train_dataset):
         raise ValueError(
@@ -151,6 +140,19 @@ def _training_dataset(train_dataset, args: DFlashTrainingConfig, model: DFlashDr
         if args.max_train_samples is None
         else min(first + int(args.max_train_samples), len(train_dataset))
     )
+    if args.features == "offline":
+        from dflash_hf.data.features import OfflineFeatureDataset
+
+        if not isinstance(train_dataset, OfflineFeatureDataset):
+            train_dataset = OfflineFeatureDataset(
+                train_dataset, args.features_dir, model.config.target_layer_ids, rows_read=end
+            )
+        if (float(args.distill_weight) > 0 or args.hard_labels == "target") and not train_dataset.has_final_hidden:
+            raise ValueError(
+                f"distill_weight={args.distill_weight} needs the target's final hidden states, but the features in "
+                f"{args.features_dir} were cached without them: recache with `dflash-hf cache-features` (without "
+                "--no-final-hidden), use features='online', or set distill_weight 0."
+            )
     if (first, end) != (0, len(train_dataset)):
         train_dataset = torch.utils.data.Subset(train_dataset, range(first, end))
     return train_dataset

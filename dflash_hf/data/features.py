@@ -265,14 +265,31 @@ class OfflineFeatureDataset(torch.utils.data.Dataset):
     `--data a,b` are `--features_dir fa,fb`."""
 
     def __init__(
-        self, dataset, features_dir: str | os.PathLike | list, target_layer_ids: list[int] | None = None
+        self,
+        dataset,
+        features_dir: str | os.PathLike | list,
+        target_layer_ids: list[int] | None = None,
+        rows_read: int | None = None,
     ) -> None:
-        """Rows also carry `target_final_hidden` (bf16 `(length, H)`) when the folders store final hidden states."""
+        """Rows also carry `target_final_hidden` (bf16 `(length, H)`) when the folders store final hidden states.
+
+        `rows_read`: only the first `rows_read` rows will be read (a run with `max_train_samples`), so a features
+        folder still being cached is enough once it covers them."""
         self.dataset = dataset
         self.folders = features_folders(features_dir)
         self.indexes = [read_index(folder) for folder in self.folders]
         taps = [int(i) for i in (target_layer_ids or self.indexes[0]["target_layer_ids"])]
-        for folder, index in zip(self.folders, self.indexes):
+        self._starts = [0]
+        for index in self.indexes:
+            self._starts.append(self._starts[-1] + int(index["num_rows"]))
+        if self._starts[-1] != len(dataset):
+            raise ValueError(
+                f"The features in {', '.join(map(str, self.folders))} are for {self._starts[-1]} rows but the "
+                f"dataset has {len(dataset)}: cache (or extend) them with `dflash-hf cache-features` on this dataset "
+                "(one features folder per data folder, in the same order)."
+            )
+        rows_read = len(dataset) if rows_read is None else min(int(rows_read), len(dataset))
+        for folder, index, start in zip(self.folders, self.indexes, self._starts):
             if list(index["target_layer_ids"]) != taps:
                 raise ValueError(
                     f"The features in {folder} tap target layers {index['target_layer_ids']} but the drafter uses "
@@ -280,20 +297,13 @@ class OfflineFeatureDataset(torch.utils.data.Dataset):
                     "features='online'."
                 )
             covered = index["shards"][-1]["end"] if index["shards"] else 0
-            if covered != index["num_rows"]:
+            needed = min(max(rows_read - start, 0), int(index["num_rows"]))
+            if covered < needed:
                 raise ValueError(
-                    f"The features in {folder} cover {covered} of {index['num_rows']} rows: finish (rerun) "
-                    "`dflash-hf cache-features` on its dataset."
+                    f"The features in {folder} cover {covered} of the {needed} rows this run reads (of "
+                    f"{index['num_rows']}): finish (rerun) `dflash-hf cache-features` on its dataset, or lower "
+                    "max_train_samples."
                 )
-        self._starts = [0]
-        for index in self.indexes:
-            self._starts.append(self._starts[-1] + int(index["num_rows"]))
-        if self._starts[-1] != len(dataset):
-            raise ValueError(
-                f"The features in {', '.join(map(str, self.folders))} cover {self._starts[-1]} rows but the dataset "
-                f"has {len(dataset)}: finish (rerun) `dflash-hf cache-features` on this dataset (one features folder "
-                "per data folder, in the same order)."
-            )
         self._shard_ends = [[s["end"] for s in index["shards"]] for index in self.indexes]
         self._shard_files = [[s["file"] for s in index["shards"]] for index in self.indexes]
         self._handles: dict[Path, Any] = {}
