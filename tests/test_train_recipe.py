@@ -10,7 +10,8 @@ import torch
 from dflash_hf.trainers import DFlashDataCollator, DFlashTrainer, DFlashTrainingConfig, sample_anchors
 from dflash_hf.trainers.initialisation import initialise_from_target
 from dflash_hf.trainers.masks import valid_anchor_positions
-from dflash_hf.trainers.optimizers import MuonWithAdamW
+from dflash_hf.trainers import optimizers
+from dflash_hf.trainers.optimizers import MuonWithAdamW, newton_schulz_float32_pays, orthogonalise_in_float32
 from test_train_helpers import make_tiny_target, make_tokenizer, one_thread, tiny_train_config, write_prompts
 
 from dflash_hf.data.features import OfflineFeatureDataset, cache_features
@@ -238,6 +239,40 @@ def test_muon_optimises_matrices_and_adamw_the_rest(tiny, tmp_path):
     assert muon.param_groups[0]["lr"] == adamw.param_groups[0]["lr"] == trainer.lr_scheduler.get_last_lr()[0]
 
 
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24)])
+def test_muon_float32_orthogonalisation_is_torchs_in_more_precision(shape, monkeypatch):
+    """Same iteration as torch's bf16 one (within bf16 rounding), used by a Muon step only where chosen, then put back."""
+    from torch.optim import _muon
+
+    grad = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    args = ((_muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C), _muon.DEFAULT_NS_STEPS, _muon.EPS)
+    ours = orthogonalise_in_float32(grad, *args)
+    assert ours.dtype == torch.float32 and ours.shape == grad.shape
+    assert torch.allclose(ours, _muon._zeropower_via_newtonschulz(grad, *args).float(), atol=0.05)
+    calls = []
+
+    def counted(name, function):
+        def wrapper(*a, **k):
+            calls.append(name)
+            return function(*a, **k)
+
+        return wrapper
+
+    monkeypatch.setattr(_muon, "_zeropower_via_newtonschulz", counted("bf16", _muon._zeropower_via_newtonschulz))
+    monkeypatch.setattr(optimizers, "orthogonalise_in_float32", counted("float32", orthogonalise_in_float32))
+    installed = _muon._zeropower_via_newtonschulz
+    for float32 in (False, True):
+        weight = torch.nn.Parameter(grad.clone())
+        weight.grad = grad.clone()
+        MuonWithAdamW([weight], lr=0.1, newton_schulz_float32=float32).step()
+        assert _muon._zeropower_via_newtonschulz is installed
+    assert calls == ["bf16", "float32"]
+    monkeypatch.setattr("dflash_hf.runtime.native_bf16_feature", lambda: None)
+    assert newton_schulz_float32_pays(torch.device("cpu")) and not newton_schulz_float32_pays(torch.device("cuda"))
+    monkeypatch.setattr("dflash_hf.runtime.native_bf16_feature", lambda: "AMX-BF16")
+    assert not newton_schulz_float32_pays(torch.device("cpu"))
+
+
 def test_muon_checkpoint_resumes_the_same_run(tiny, tmp_path):
     target, tok, data = tiny
     kw = dict(muon=True, max_steps=4, save_strategy="steps", save_steps=2, per_device_train_batch_size=2)
@@ -252,11 +287,16 @@ def test_muon_checkpoint_resumes_the_same_run(tiny, tmp_path):
         assert torch.allclose(value, full.model.state_dict()[key], atol=1e-6), key
 
 
-def test_bf16_autocast_trains_on_cpu(tiny, tmp_path):
+@pytest.mark.parametrize("native", ["AMX-BF16", None])
+def test_bf16_autocast_trains_on_cpu(native, tiny, tmp_path, monkeypatch, caplog):
+    """bf16 autocast trains on any CPU; where bf16 is emulated (no native feature) the trainer says it is slow."""
     target, tok, data = tiny
-    trainer = DFlashTrainer(
-        args=config(tmp_path, bf16=True, max_steps=2), target=target, train_dataset=data, processing_class=tok
-    )
+    monkeypatch.setattr("dflash_hf.runtime.native_bf16_feature", lambda: native)
+    with caplog.at_level(logging.WARNING, logger="dflash_hf"):
+        trainer = DFlashTrainer(
+            args=config(tmp_path, bf16=True, max_steps=2), target=target, train_dataset=data, processing_class=tok
+        )
+    assert ("train with bf16=False on this machine" in caplog.text) == (native is None)
     seen = []
     handle = trainer.model.layers[0].mlp.gate_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     trainer.train()

@@ -4,13 +4,50 @@ Muon orthogonalises the momentum of matrix parameters and is only defined for 2-
 Muon's learning rate is adjusted to match AdamW's update RMS (`adjust_lr_fn="match_rms_adamw"`), so one learning
 rate and one schedule drive both. The Trainer's scheduler and checkpointing see an ordinary optimizer: its
 `param_groups` are the two inner optimizers' groups, and its state dict holds both.
+
+`torch.optim.Muon` orthogonalises in bfloat16. On a CPU without native bf16 (no AMX / AVX512-BF16) a bf16 matmul is
+emulated, about 8x slower than fp32 on an AVX2 EPYC, which made a SmolLM2 drafter step take over a minute; there the
+Newton-Schulz iteration runs in float32 instead (same iteration, same coefficients).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.optim import _muon
+
+from dflash_hf import runtime
+
+
+def orthogonalise_in_float32(grad: torch.Tensor, ns_coefficients, ns_steps: int, eps: float) -> torch.Tensor:
+    """`torch.optim.Muon`'s Newton-Schulz orthogonalisation of a 2-D update, computed in float32."""
+    a, b, c = ns_coefficients
+    tall = grad.size(0) > grad.size(1)
+    x = grad.float().T if tall else grad.float()
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+@contextlib.contextmanager
+def _newton_schulz_in_float32() -> Iterator[None]:
+    """Swap torch's bf16 orthogonalisation for the float32 one while a Muon step runs."""
+    original = _muon._zeropower_via_newtonschulz
+    _muon._zeropower_via_newtonschulz = orthogonalise_in_float32
+    try:
+        yield
+    finally:
+        _muon._zeropower_via_newtonschulz = original
+
+
+def newton_schulz_float32_pays(device: torch.device) -> bool:
+    """Whether Muon should orthogonalise in float32 here: on a CPU whose bf16 matmuls are emulated."""
+    return device.type == "cpu" and runtime.native_bf16_feature() is None
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -23,8 +60,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
+        newton_schulz_float32: bool = False,
     ) -> None:
+        """`newton_schulz_float32`: orthogonalise Muon's updates in float32 instead of torch's bfloat16 (see
+        `newton_schulz_float32_pays`)."""
         params = [p for p in params if p.requires_grad]
+        self.newton_schulz_float32 = newton_schulz_float32
         matrices = [p for p in params if p.ndim == 2]
         others = [p for p in params if p.ndim != 2]
         if not matrices:
@@ -54,8 +95,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for inner in self._inner:
-            inner.step()
+        precision = _newton_schulz_in_float32() if self.newton_schulz_float32 else contextlib.nullcontext()
+        with precision:
+            for inner in self._inner:
+                inner.step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
