@@ -267,7 +267,9 @@ def make_data(
     final_hidden: bool = True,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Regenerate responses with `target` for the train prompts of `source` into `out_dir`; returns the manifest.
+    """Regenerate responses with `target` for the train prompts of `source` into `out_dir`; returns this run's manifest
+    (written to `manifest.json` unless the run only rebuilt the dataset from its parts: the file keeps the record of
+    the run that made them).
 
     `responses="source"` keeps the source's own replies (teacher-forced data, cut to `max_new_tokens` and closed with
     the target's end-of-turn token) instead of generating; prompts without a reply are skipped. `turn=N` prompts with
@@ -332,9 +334,9 @@ def make_data(
     manifest = _manifest(settings, run_settings, counts, done, held)
     manifest["generation_seconds_this_run"] = round(time.time() - started, 2)
     previous = read_manifest(out)
-    if generated == 0 and previous is not None and previous["counts"]["samples"] == len(done):
-        manifest = previous  # a rebuild from the parts keeps the record of the run that made them (git stays clean)
-    _publish(out, done, held, manifest)
+    rebuild = generated == 0 and previous is not None and previous["counts"]["samples"] == len(done)
+    # a rebuild from the parts keeps the file's record of the run that made them (git stays clean)
+    _publish(out, done, held, previous if rebuild else manifest)
     return manifest
 
 
