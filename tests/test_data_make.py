@@ -434,3 +434,30 @@ def test_features_out_on_a_folder_made_without_them_is_refused(target, tmp_path)
     make_data(target, tok, tmp_path / "d", max_samples=2, **settings)
     with pytest.raises(ValueError, match="cache-features"):
         make_data(target, tok, tmp_path / "d", features_dir=tmp_path / "f", target_layer_ids=[1, 3], **settings)
+
+
+@pytest.mark.parametrize("native, expected", [("AMX-BF16", torch.bfloat16), (None, torch.float32)])
+def test_cache_features_auto_precision_follows_the_cpu(native, expected, target, tmp_path, monkeypatch, capsys):
+    """`cache-features --dtype auto` runs the target in bf16 only where the CPU computes it natively (emulated bf16 is
+    several times slower than float32) and says what it picked; the stored features are bf16 either way."""
+    tok = make_tokenizer()
+    source = str(write_prompts(tmp_path / "p.jsonl"))
+    make_data(target, tok, tmp_path / "d", source=source, max_new_tokens=4, held_out_fraction=0.0, progress=False)
+    loaded = []
+
+    def fake_load_target(name, dtype, device):
+        loaded.append(dtype)
+        return target.to(dtype), tok
+
+    monkeypatch.setattr("dflash_hf.targets.load_target", fake_load_target)
+    monkeypatch.setattr("dflash_hf.runtime.native_bf16_feature", lambda: native)
+    data, out = str(tmp_path / "d"), str(tmp_path / "f")
+    args = ["cache-features", "--target", "tiny", "--data", data, "--out", out, "--target-layer-ids", "1", "3"]
+    args += ["--device", "cpu", "--quiet"]
+    try:
+        assert cli_main(args) == 0
+    finally:
+        target.to(torch.float32)
+    assert loaded == [expected]
+    assert f"target in {str(expected).removeprefix('torch.')}" in capsys.readouterr().err
+    assert read_index(tmp_path / "f")["dtype"] == "bfloat16"

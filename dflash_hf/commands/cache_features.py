@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from . import add_tap_arguments, target_layer_ids_of
 
@@ -22,7 +23,12 @@ def register(subparsers) -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--shard-mb", type=int, default=512, help="Approximate shard size in MiB.")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="The target's precision (features are stored in bf16 either way); auto: bfloat16 on CUDA and on CPUs "
+        "that compute it natively (AMX / AVX512-BF16), float32 elsewhere (emulated bf16 is several times slower)",
+    )
     parser.add_argument("--quiet", action="store_true")
     parser.set_defaults(func=run)
 
@@ -31,11 +37,14 @@ def run(args: argparse.Namespace) -> int:
     """Run `cache-features`; returns the exit code."""
     from ..data.features import cache_features
     from ..data.make import load_training_data
-    from ..runtime import default_device
+    from ..runtime import default_device, inference_dtype
     from ..targets import load_target
 
     data = load_training_data(args.data)
-    target, _ = load_target(args.target, dtype=args.dtype, device=args.device or default_device())
+    device = args.device or default_device()
+    dtype, why = inference_dtype(args.dtype, device)
+    print(f"cache-features: target in {str(dtype).removeprefix('torch.')} ({why})", file=sys.stderr)
+    target, _ = load_target(args.target, dtype=dtype, device=device)
     layer_ids = target_layer_ids_of(args, target)
     index = cache_features(
         target,
