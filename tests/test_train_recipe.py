@@ -241,7 +241,8 @@ def test_muon_optimises_matrices_and_adamw_the_rest(tiny, tmp_path):
 
 @pytest.mark.parametrize("shape", [(24, 40), (40, 24)])
 def test_muon_float32_orthogonalisation_is_torchs_in_more_precision(shape, monkeypatch):
-    """Same iteration as torch's bf16 one (within bf16 rounding), used by a Muon step only where chosen, then put back."""
+    """Same iteration as torch's bf16 one (within bf16 rounding), used by a Muon step only where chosen, then put
+    back."""
     from torch.optim import _muon
 
     grad = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
