@@ -28,6 +28,7 @@ def load_models(
     from transformers.utils import logging as hf_logging
 
     from ..engine import row_exact
+    from ..engine.adapters import check_built_for
     from ..modeling import DFlashDraftModel
     from ..precision import measured_choice
     from ..runtime import inference_dtype
@@ -45,6 +46,7 @@ def load_models(
             exact = row_exact.install(model, verify_tokens)
             reason += "; block verification checked bit-exact" if exact else "; block verification NOT bit-exact here"
         drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=model.dtype).to(device).eval()
+        check_built_for(drafter.config, model)  # a mismatch is the command's one error line, before anything is printed
     finally:
         if bars:
             hf_logging.enable_progress_bar()

@@ -126,7 +126,7 @@ def engine_kernels(target: PreTrainedModel) -> Iterator[None]:
         target.set_output_embeddings(head)
 
 
-def _check_built_for(drafter_config: PreTrainedConfig, target: PreTrainedModel) -> None:
+def check_built_for(drafter_config: PreTrainedConfig, target: PreTrainedModel) -> None:
     """Raise a `ValueError` naming both sides when the drafter records another target (layer count or model type)."""
     config = target.config
     layers, model_type = int(config.num_hidden_layers), getattr(config, "model_type", None)
@@ -167,7 +167,7 @@ class TargetAdapter:
                 f"Supported targets: {_supported_list()}."
             )
         if built_for is not None:
-            _check_built_for(built_for, target)
+            check_built_for(built_for, target)
         self.target = target
         self.config = config
         self.base_model: nn.Module = target.get_decoder() if hasattr(target, "get_decoder") else target.model
@@ -214,7 +214,7 @@ class TargetAdapter:
     def check_drafter(self, drafter: DFlashDraftModel) -> None:
         """Raise a `ValueError` if `drafter` was not built for this target."""
         dconf = drafter.config
-        _check_built_for(dconf, self.target)
+        check_built_for(dconf, self.target)
         if int(dconf.hidden_size) != self.hidden_size:
             raise ValueError(
                 f"Drafter hidden size {dconf.hidden_size} does not match the target's {self.hidden_size}: a DFlash "
