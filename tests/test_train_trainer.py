@@ -167,11 +167,11 @@ def test_cache_features_resumes(tiny, tmp_path, monkeypatch):
         cache_features(target, data, tmp_path / "f", [1, 3], batch_size=1, shard_bytes=1, progress=False)
     assert len(read_index(tmp_path / "f")["shards"]) == 2
     # a run that reads only the rows cached so far can start (max_train_samples), one that reads more cannot
-    partial = OfflineFeatureDataset(data, tmp_path / "f", [1, 3], rows_read=2)
+    partial = OfflineFeatureDataset(data, tmp_path / "f", [1, 3], rows_read=range(2))
     assert partial[1]["context_hidden_states"].shape[0] == len(data[1]["input_ids"])
-    with pytest.raises(ValueError, match="cover 2 of the 3 rows this run reads"):
-        OfflineFeatureDataset(data, tmp_path / "f", [1, 3], rows_read=3)
-    with pytest.raises(ValueError, match="lower max_train_samples"):
+    with pytest.raises(ValueError, match="cover its rows 0..1 .* reads rows 0..2"):
+        OfflineFeatureDataset(data, tmp_path / "f", [1, 3], rows_read=range(3))
+    with pytest.raises(ValueError, match="max_train_samples"):
         OfflineFeatureDataset(data, tmp_path / "f", [1, 3])
     monkeypatch.setattr(features, "save_file", real)
     index = cache_features(target, data, tmp_path / "f", [1, 3], batch_size=1, shard_bytes=1, progress=False)
@@ -179,6 +179,39 @@ def test_cache_features_resumes(tiny, tmp_path, monkeypatch):
     assert not list((tmp_path / "f").glob(".*tmp"))
     with pytest.raises(ValueError, match="target_layer_ids"):
         cache_features(target, data, tmp_path / "f", [0, 3], progress=False)
+
+
+def test_cache_features_from_a_first_row(tiny, tmp_path):
+    """`first_row` leaves the rows before it out; a run that skips them (skip_train_samples) trains on the folder."""
+    target, tok, data, _ = tiny
+    same = dict(batch_size=2, progress=False)  # the same batches either way (padding changes the last digits)
+    cache_features(target, data, tmp_path / "all", [1, 3], **same)
+    reference = OfflineFeatureDataset(data, tmp_path / "all", [1, 3])
+    index = cache_features(target, data, tmp_path / "f", [1, 3], shard_bytes=1, first_row=2, **same)
+    assert index["first_row"] == 2 and index["shards"][0]["start"] == 2 and index["shards"][-1]["end"] == len(data)
+    late = OfflineFeatureDataset(data, tmp_path / "f", [1, 3], rows_read=range(2, len(data)))
+    for row in range(2, len(data)):
+        assert torch.equal(late[row]["context_hidden_states"], reference[row]["context_hidden_states"])
+        assert torch.equal(late[row]["target_final_hidden"], reference[row]["target_final_hidden"])
+    with pytest.raises(ValueError, match=r"cover its rows 2\.\..* reads rows 1\.\..*--first-row no later"):
+        OfflineFeatureDataset(data, tmp_path / "f", [1, 3], rows_read=range(1, len(data)))
+    with pytest.raises(ValueError, match="first_row=.*not 0"):
+        cache_features(target, data, tmp_path / "f", [1, 3], progress=False)  # resumed with another first row
+    with pytest.raises(ValueError, match="first_row must be in"):
+        cache_features(target, data, tmp_path / "g", [1, 3], first_row=len(data), progress=False)
+    assert not (tmp_path / "g").exists()
+    kw = dict(features="offline", features_dir=str(tmp_path / "f"), skip_train_samples=2, max_steps=1)
+    run = config(tmp_path / "run", **kw)
+    trainer = DFlashTrainer(args=run, target=target, train_dataset=data, processing_class=tok)
+    assert list(trainer.train_dataset.indices) == list(range(2, len(data)))
+    trainer.train()
+    with pytest.raises(ValueError, match="--first-row no later than skip_train_samples"):
+        DFlashTrainer(
+            args=config(tmp_path / "run1", **{**kw, "skip_train_samples": 1}),
+            target=target,
+            train_dataset=data,
+            processing_class=tok,
+        )
 
 
 def test_cache_features_extends_a_grown_dataset(tiny, tmp_path):

@@ -146,7 +146,7 @@ def _training_dataset(train_dataset, args: DFlashTrainingConfig, model: DFlashDr
 
         if not isinstance(train_dataset, OfflineFeatureDataset):
             train_dataset = OfflineFeatureDataset(
-                train_dataset, args.features_dir, model.config.target_layer_ids, rows_read=end
+                train_dataset, args.features_dir, model.config.target_layer_ids, rows_read=range(first, end)
             )
         if (float(args.distill_weight) > 0 or args.hard_labels == "target") and not train_dataset.has_final_hidden:
             raise ValueError(

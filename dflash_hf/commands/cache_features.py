@@ -20,6 +20,12 @@ def register(subparsers) -> None:
     parser.add_argument("--out", required=True, help="Features folder (resumed if it exists).")
     add_tap_arguments(parser)
     parser.add_argument("--max-length", type=int, default=3072, help="Truncate rows to this many tokens.")
+    parser.add_argument(
+        "--first-row",
+        type=int,
+        default=0,
+        help="Leave out the rows before this one (for training that skips them with skip_train_samples).",
+    )
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--shard-mb", type=int, default=512, help="Approximate shard size in MiB.")
     parser.add_argument("--device", default=None)
@@ -56,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         shard_bytes=args.shard_mb * 2**20,
         final_hidden=args.final_hidden,
+        first_row=args.first_row,
         progress=not args.quiet,
     )
     print(json.dumps({"out": args.out, "rows": index["num_rows"], "target_layer_ids": index["target_layer_ids"]}))

@@ -101,8 +101,9 @@ def open_index(out: Path, settings: dict[str, Any], dataset, drop_extra_rows: bo
     (make-data writes a batch's shard before its part)."""
     if (out / INDEX_NAME).is_file():
         index = read_index(out)
-        for key in ("target_layer_ids", "width", "max_length", "final_hidden"):
-            if index.get(key, False if key == "final_hidden" else None) != settings[key]:
+        defaults = {"final_hidden": False, "first_row": 0}  # indexes written before these settings existed
+        for key in ("target_layer_ids", "width", "max_length", "final_hidden", "first_row"):
+            if index.get(key, defaults.get(key)) != settings[key]:
                 raise ValueError(
                     f"{out} holds features made with {key}={index.get(key)!r}, not {settings[key]!r}: use another "
                     "--out folder (or the same settings to resume)."
@@ -130,8 +131,9 @@ def settings_of(
     max_length: int,
     final_hidden: bool,
     num_rows: int,
+    first_row: int = 0,
 ) -> dict[str, Any]:
-    """The settings recorded in a features folder's index."""
+    """The settings recorded in a features folder's index (`first_row`: the rows before it are not cached)."""
     return {
         "format": FEATURES_FORMAT,
         "target": target_name,
@@ -143,6 +145,7 @@ def settings_of(
         "max_length": int(max_length),
         "final_hidden": bool(final_hidden),
         "num_rows": num_rows,
+        "first_row": int(first_row),
     }
 
 
@@ -152,7 +155,7 @@ class ShardWriter:
 
     def __init__(self, out: Path, index: dict[str, Any]) -> None:
         self.out, self.index = out, index
-        self.end = index["shards"][-1]["end"] if index["shards"] else 0  # rows published so far
+        self.end = index["shards"][-1]["end"] if index["shards"] else int(index.get("first_row", 0))  # next row
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
         self.pending_seqs: list[list[int]] = []
@@ -215,10 +218,12 @@ def cache_features(
     batch_size: int = 4,
     shard_bytes: int = 512 * 2**20,
     final_hidden: bool = True,
+    first_row: int = 0,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Compute and store the tapped target features of every row of `dataset` (rows with `input_ids`), and with
-    `final_hidden` the target's final normed hidden states (the distillation teacher).
+    `final_hidden` the target's final normed hidden states (the distillation teacher). With `first_row`, the rows
+    before it are left out (for training that skips them, `skip_train_samples`).
 
     Resumable: rows already indexed in `out_dir` are skipped, and a dataset that only grew at the end is extended
     (stored rows are checked against it first). Returns the index.
@@ -231,13 +236,18 @@ def cache_features(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
     if "input_ids" not in dataset.column_names:
         raise ValueError(f"The dataset has no `input_ids` column (columns: {dataset.column_names}).")
+    if not 0 <= first_row < len(dataset):
+        raise ValueError(f"first_row must be in 0..{len(dataset) - 1} (the dataset's rows), got {first_row}.")
     adapter = TargetAdapter(target, list(target_layer_ids))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    settings = settings_of(target, adapter, target_layer_ids, target_name, max_length, final_hidden, len(dataset))
+    settings = settings_of(
+        target, adapter, target_layer_ids, target_name, max_length, final_hidden, len(dataset), first_row
+    )
     writer = ShardWriter(out, open_index(out, settings, dataset))
     total = len(dataset)
-    with tqdm(total=total, initial=writer.end, desc="cache-features", unit="row", disable=not progress) as bar:
+    done = writer.end - first_row
+    with tqdm(total=total - first_row, initial=done, desc="cache-features", unit="row", disable=not progress) as bar:
         row = writer.end
         while row < total:
             rows = list(range(row, min(row + batch_size, total)))
@@ -269,12 +279,12 @@ class OfflineFeatureDataset(torch.utils.data.Dataset):
         dataset,
         features_dir: str | os.PathLike | list,
         target_layer_ids: list[int] | None = None,
-        rows_read: int | None = None,
+        rows_read: range | None = None,
     ) -> None:
         """Rows also carry `target_final_hidden` (bf16 `(length, H)`) when the folders store final hidden states.
 
-        `rows_read`: only the first `rows_read` rows will be read (a run with `max_train_samples`), so a features
-        folder still being cached is enough once it covers them."""
+        `rows_read`: only these rows will be read (a run with `skip_train_samples` / `max_train_samples`), so a
+        features folder still being cached, or cached from a later first row, is enough once it covers them."""
         self.dataset = dataset
         self.folders = features_folders(features_dir)
         self.indexes = [read_index(folder) for folder in self.folders]
@@ -288,7 +298,7 @@ class OfflineFeatureDataset(torch.utils.data.Dataset):
                 f"dataset has {len(dataset)}: cache (or extend) them with `dflash-hf cache-features` on this dataset "
                 "(one features folder per data folder, in the same order)."
             )
-        rows_read = len(dataset) if rows_read is None else min(int(rows_read), len(dataset))
+        rows_read = range(len(dataset)) if rows_read is None else rows_read
         for folder, index, start in zip(self.folders, self.indexes, self._starts):
             if list(index["target_layer_ids"]) != taps:
                 raise ValueError(
@@ -296,13 +306,15 @@ class OfflineFeatureDataset(torch.utils.data.Dataset):
                     f"{taps}: recache with --target-layer-ids {' '.join(map(str, taps))} or train with "
                     "features='online'."
                 )
-            covered = index["shards"][-1]["end"] if index["shards"] else 0
-            needed = min(max(rows_read - start, 0), int(index["num_rows"]))
-            if covered < needed:
+            first = int(index.get("first_row", 0))
+            covered = index["shards"][-1]["end"] if index["shards"] else first
+            needed = range(max(rows_read.start - start, 0), min(rows_read.stop - start, int(index["num_rows"])))
+            if needed and not first <= needed.start < needed.stop <= covered:
                 raise ValueError(
-                    f"The features in {folder} cover {covered} of the {needed} rows this run reads (of "
-                    f"{index['num_rows']}): finish (rerun) `dflash-hf cache-features` on its dataset, or lower "
-                    "max_train_samples."
+                    f"The features in {folder} cover its rows {first}..{covered - 1} (of {index['num_rows']}) but "
+                    f"this run reads rows {needed.start}..{needed.stop - 1}: finish (rerun) `dflash-hf cache-features` "
+                    "on its dataset (with a --first-row no later than skip_train_samples), or change "
+                    "skip_train_samples / max_train_samples."
                 )
         self._shard_ends = [[s["end"] for s in index["shards"]] for index in self.indexes]
         self._shard_files = [[s["file"] for s in index["shards"]] for index in self.indexes]
