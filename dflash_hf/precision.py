@@ -27,8 +27,10 @@ VERDICTS_FILE = "precision.json"
 
 
 def verdict_key(target: str, max_block: int, verify_tokens: int) -> str:
-    """What a stored verdict depends on: CPU model, torch version and threads, target, block size and verify width."""
+    """What a stored verdict depends on: CPU model, torch version, threads and MKL mode, target, block size and
+    verify width."""
     host = f"{runtime.cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    host += f" | {runtime.mkl_mode()}"
     return f"{host} | {target} | B={max_block} | W={verify_tokens}"
 
 

@@ -103,3 +103,43 @@ def inference_dtype(name: str | torch.dtype, device: str | torch.device) -> tupl
     if feature is not None:
         return torch.bfloat16, f"auto: this CPU computes bfloat16 natively ({feature})"
     return torch.float32, "auto: this CPU has no native bfloat16 (no AMX-BF16 / AVX512-BF16)"
+
+
+MKL_MODES = ("auto", "cnr", "default")
+
+
+def cpu_vendor() -> str | None:
+    """The CPU vendor id from `/proc/cpuinfo` (`AuthenticAMD`, `GenuineIntel`, ...), or `None` where unknown."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def mkl_mode() -> str:
+    """How MKL runs this process's float32 matmuls, as recorded with measurements."""
+    if not torch.backends.mkl.is_available():
+        return "no MKL"
+    value = os.environ.get("MKL_CBWR")
+    return "MKL default code path" if value is None else f"MKL_CBWR={value}"
+
+
+def select_mkl_mode(choice: str = "auto") -> str:
+    """Choose MKL's code path for the few-row float32 matmuls of decoding; returns what `mkl_mode` then reports.
+
+    On AMD CPUs MKL's default code path makes a float32 matmul of a few rows (a block verify, a draft) cost far
+    more than a 1-row one; its conditional-numerical-reproducibility mode (`MKL_CBWR=AUTO`) does not (README,
+    "Precision and kernels on CPU", has the measured costs). `auto` sets that mode on AMD CPUs, `cnr` everywhere,
+    `default` nowhere; a `MKL_CBWR` already in the environment is kept. MKL reads it once, at its first matmul, so this only
+    takes effect when called before any (the CLI calls it first; scripts: first thing, or set `MKL_CBWR=AUTO` in
+    the environment).
+    """
+    if choice not in MKL_MODES:
+        raise ValueError(f"Unknown MKL mode {choice!r}: use {', '.join(MKL_MODES)}.")
+    wanted = choice == "cnr" or (choice == "auto" and cpu_vendor() == "AuthenticAMD")
+    if wanted and torch.backends.mkl.is_available() and "MKL_CBWR" not in os.environ:
+        os.environ["MKL_CBWR"] = "AUTO"
+    return mkl_mode()

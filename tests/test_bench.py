@@ -11,7 +11,7 @@ import torch
 from conftest import make_oracle, make_target
 from test_targets import make_llama, make_tokenizer, save_tiny_target
 
-from dflash_hf import DFlashConfig, DFlashDraftModel, bench, cli
+from dflash_hf import DFlashConfig, DFlashDraftModel, bench, cli, runtime
 from dflash_hf.engine.adapters import engine_kernels, uses_engine_kernels
 
 PROMPTS = [[1, 5, 9, 12, 5, 9], [1, 7, 7, 3, 30, 31, 7, 7]]
@@ -370,6 +370,7 @@ def test_cli_end_to_end(folders, tmp_path, capsys):
     assert document["exact"] and document["settings"]["threads"] == 1
     assert document["settings"]["prompt_set"]["used"] == 2
     assert document["command"].startswith("dflash-hf bench --target ") and "--no-adaptive" in document["command"]
+    assert "--mkl-mode auto" in document["command"] and document["hardware"]["mkl"] == runtime.mkl_mode()
 
     assert cli.main(["bench", "--readme-section", str(out / bench.JSON_NAME), "--plots-prefix", "img"]) == 0
     section = capsys.readouterr().out

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -128,6 +129,59 @@ def test_auto_dtype_follows_the_machine(monkeypatch, device, feature, expected):
         assert feature in reason
     assert runtime.inference_dtype("float32", device) == (torch.float32, "as requested")
     assert runtime.inference_dtype("bfloat16", device)[0] == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("choice", "vendor", "preset", "expected"),
+    [
+        ("auto", "AuthenticAMD", None, "AUTO"),
+        ("auto", "GenuineIntel", None, None),
+        ("auto", None, None, None),
+        ("cnr", "GenuineIntel", None, "AUTO"),
+        ("default", "AuthenticAMD", None, None),
+        ("auto", "AuthenticAMD", "AVX2", "AVX2"),  # a mode set in the environment is kept
+        ("default", "GenuineIntel", "AVX2", "AVX2"),
+    ],
+)
+def test_mkl_mode_follows_the_cpu_and_the_environment(monkeypatch, choice, vendor, preset, expected):
+    monkeypatch.setattr(runtime, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: True)
+    if preset is None:
+        monkeypatch.delenv("MKL_CBWR", raising=False)
+    else:
+        monkeypatch.setenv("MKL_CBWR", preset)
+    reported = runtime.select_mkl_mode(choice)
+    assert os.environ.get("MKL_CBWR") == expected
+    assert reported == runtime.mkl_mode() == ("MKL default code path" if expected is None else f"MKL_CBWR={expected}")
+
+
+def test_mkl_mode_without_mkl_and_bad_choices(monkeypatch):
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
+    assert runtime.select_mkl_mode("cnr") == "no MKL" and "MKL_CBWR" not in os.environ
+    with pytest.raises(ValueError, match="Unknown MKL mode 'fast': use auto, cnr, default"):
+        runtime.select_mkl_mode("fast")
+
+
+def test_commands_choose_the_mkl_mode_before_loading_and_report_it(folders, monkeypatch, capsys):
+    """`--mkl-mode` is applied before any model is loaded (MKL reads it at its first matmul), then reported."""
+    target_dir, drafter_dir = folders
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: True)
+    seen = []
+    real_load = generate_command.load_models
+
+    def load_models_spy(*args, **kwargs):
+        seen.append(os.environ.get("MKL_CBWR"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(generate_command, "load_models", load_models_spy)
+    argv = ["generate", "hi", "--target", str(target_dir), "--drafter", str(drafter_dir), "--max-new-tokens", "2"]
+    assert cli.main([*argv, "--threads", "1", "--dtype", "float32", "--mkl-mode", "cnr"]) == 0
+    assert seen == ["AUTO"] and "kernels: MKL_CBWR=AUTO" in capsys.readouterr().err.splitlines()
+    with pytest.raises(SystemExit):  # argparse: one usage error line
+        cli.main([*argv, "--mkl-mode", "fast"])
+    assert "invalid choice: 'fast'" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

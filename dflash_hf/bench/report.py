@@ -113,6 +113,7 @@ def render_markdown(
     if lengths:
         source += f" ({min(lengths)}-{max(lengths)} prompt tokens)"
     gpu = f", GPU {hardware['gpu']}" if hardware.get("gpu") else ""
+    mkl = f", {hardware['mkl']}" if hardware.get("mkl") and hardware["device"] == "cpu" else ""
     drafter = str(settings.get("drafter", "given")).replace("\\", "/")
     in_package = drafter.split("/dflash_hf/bundled/")
     drafter = (
@@ -141,7 +142,7 @@ def render_markdown(
         *_cost_lines(document.get("cost_profile"), prefix),
         "",
         f"Hardware: {hardware['cpu']} ({hardware['torch_threads']} torch threads of {hardware['cpus_available']} "
-        f"CPUs available{gpu}, device {hardware['device']}); torch {hardware['torch']}, transformers "
+        f"CPUs available{gpu}, device {hardware['device']}{mkl}); torch {hardware['torch']}, transformers "
         f"{hardware['transformers']}, Python {hardware['python']}.",
         f"Date: {document['date']}.",
     ]

@@ -103,9 +103,9 @@ def comma_separated_floats(text: str) -> list[float]:
     return values
 
 
-def add_threads_argument(parser: argparse.ArgumentParser) -> None:
-    """`--threads`, shared by the commands that run models on the CPU."""
-    from ..runtime import available_cpus
+def add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--threads` and `--mkl-mode`, shared by the commands that run models on the CPU (see `setup_cpu`)."""
+    from ..runtime import MKL_MODES, available_cpus
 
     parser.add_argument(
         "--threads",
@@ -113,6 +113,29 @@ def add_threads_argument(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"CPU threads for torch (default: the CPUs available to this process, here {available_cpus()}).",
     )
+    parser.add_argument(
+        "--mkl-mode",
+        choices=MKL_MODES,
+        default="auto",
+        help="MKL's code path for float32 matmuls: cnr sets MKL_CBWR=AUTO (a few-row matmul, as in a block verify, "
+        "then costs about a 1-row one on AMD CPUs), default leaves MKL alone, auto (the default) = cnr on AMD CPUs. "
+        "A MKL_CBWR in the environment is kept.",
+    )
+
+
+def setup_cpu(args: argparse.Namespace, device: torch.device) -> int | None:
+    """Apply `--mkl-mode` (before any matmul runs) and `--threads` on a CPU device; returns the thread count (`None`
+    on other devices)."""
+    from ..runtime import available_cpus, select_mkl_mode
+
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}.")
+    if device.type != "cpu":
+        return None
+    select_mkl_mode(args.mkl_mode)
+    threads = args.threads or available_cpus()
+    torch.set_num_threads(threads)
+    return threads
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, dtype: bool = True) -> None:

@@ -18,9 +18,15 @@ import torch
 
 from .. import bench
 from ..modeling import DFlashConfig
-from ..runtime import available_cpus
 from ..targets import resolve_drafter_dir
-from . import add_model_arguments, add_threads_argument, comma_separated_floats, comma_separated_ints, load_models
+from . import (
+    add_cpu_arguments,
+    add_model_arguments,
+    comma_separated_floats,
+    comma_separated_ints,
+    load_models,
+    setup_cpu,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -90,7 +96,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--no-chat-template", action="store_true", help="Tokenize prompts as plain text even if a template exists."
     )
-    add_threads_argument(parser)
+    add_cpu_arguments(parser)
     parser.add_argument("--device", default="cpu", help="Device for both models (default: cpu).")
     parser.add_argument(
         "--out", type=Path, default=Path("bench-results"), help="Output folder (default: bench-results)."
@@ -133,7 +139,7 @@ def _command_line(args: argparse.Namespace, drafter: Path, threads: int | None) 
         "--out", str(args.out),
     ]  # fmt: skip
     if threads is not None:
-        argv += ["--threads", str(threads)]
+        argv += ["--threads", str(threads), "--mkl-mode", str(args.mkl_mode)]
     if args.lookup_tokens:
         argv += ["--lookup-tokens", ",".join(map(str, args.lookup_tokens))]
     if args.temperatures:
@@ -169,8 +175,6 @@ def _check(args: argparse.Namespace) -> None:
             f"--min-prompt-tokens {args.min_prompt_tokens} exceeds --max-prompt-tokens {args.max_prompt_tokens}: no "
             "prompt could be used."
         )
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}.")
     if args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} exists and is not a folder: pass a folder path.")
 
@@ -185,10 +189,7 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     drafter_dir = resolve_drafter_dir(args.target, args.drafter)
     device = torch.device(args.device)
-    threads = None
-    if device.type == "cpu":
-        threads = args.threads or available_cpus()
-        torch.set_num_threads(threads)
+    threads = setup_cpu(args, device)
 
     max_block = int(DFlashConfig.from_pretrained(drafter_dir).block_size)  # no method verifies a larger block
     widest = bench.widest_verify(args.block_sizes, max_block, not args.no_lookup_branch, args.lookup_tokens)

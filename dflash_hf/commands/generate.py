@@ -24,9 +24,9 @@ from ..engine.generation import generate
 from ..engine.generation_call import CANDIDATE_SOURCES, DEFAULT_CANDIDATES
 from ..engine.tree import verify_width
 from ..modeling import DFlashConfig
-from ..runtime import Stopwatch, available_cpus, default_device
+from ..runtime import Stopwatch, default_device, mkl_mode
 from ..targets import resolve_drafter_dir
-from . import add_model_arguments, add_threads_argument, load_models
+from . import add_cpu_arguments, add_model_arguments, load_models, setup_cpu
 
 T = TypeVar("T")
 WARMUP_PROMPT_TOKENS = 16
@@ -80,7 +80,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--device", default=None, help="Device for both models (default: cuda when available, else cpu)."
     )
-    add_threads_argument(parser)
+    add_cpu_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -118,15 +118,12 @@ def run(args: argparse.Namespace) -> int:
     """Run the `generate` sub-command; returns the exit code."""
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}.")
     if args.lookup_tokens is not None and args.lookup_tokens < 1:
         raise ValueError(f"--lookup-tokens must be >= 1, got {args.lookup_tokens}.")
     sampling = _sampling_kwargs(args)
     drafter_dir = resolve_drafter_dir(args.target, args.drafter)
     device = torch.device(args.device or default_device())
-    if device.type == "cpu":
-        torch.set_num_threads(args.threads or available_cpus())
+    setup_cpu(args, device)
 
     drafter_config = DFlashConfig.from_pretrained(drafter_dir)
     if args.block_size is not None and not 2 <= args.block_size <= drafter_config.block_size:
@@ -143,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
     inputs = {key: value.to(device) for key, value in inputs.items()}
     check_context_length(target, inputs["input_ids"].shape[1], args.max_new_tokens)  # before any forward on the prompt
     print(f"precision: {precision}", file=sys.stderr, flush=True)
+    if device.type == "cpu":
+        print(f"kernels: {mkl_mode()}", file=sys.stderr, flush=True)
     common = dict(max_new_tokens=args.max_new_tokens, **sampling)
 
     # one short untimed pass (a few prompt tokens) so that neither timed run pays for first-call set-up (kernel

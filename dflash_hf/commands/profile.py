@@ -18,9 +18,8 @@ import torch
 from ..bench.profile import DEFAULT_TOKEN_COUNTS, measure_costs, plot_profiles
 from ..bench.run import hardware_info
 from ..fileio import atomic_write, atomic_write_text
-from ..runtime import available_cpus
 from ..targets import resolve_drafter_dir
-from . import add_model_arguments, add_threads_argument, comma_separated_ints, load_models
+from . import add_cpu_arguments, add_model_arguments, comma_separated_ints, load_models, setup_cpu
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -50,7 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--context", type=int, default=256, help="Cached context tokens (default: 256).")
     parser.add_argument("--repeats", type=int, default=5, help="Timed repeats per forward (median; default: 5).")
-    add_threads_argument(parser)
+    add_cpu_arguments(parser)
     parser.add_argument("--device", default="cpu", help="Device for both models (default: cpu).")
     parser.add_argument("--out", type=Path, default=Path("profile-results"), help="Output folder.")
     parser.set_defaults(func=run)
@@ -67,8 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} exists and is not a folder: pass a folder path.")
     device = torch.device(args.device)
-    if device.type == "cpu":
-        torch.set_num_threads(args.threads or available_cpus())
+    setup_cpu(args, device)
     drafter_dir = resolve_drafter_dir(args.target, args.drafter)
     profiles = []
     for dtype in dtypes:
