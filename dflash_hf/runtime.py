@@ -16,15 +16,20 @@ def available_cpus() -> int:
     return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
 
 
-def cpu_model() -> str:
-    """The CPU's model name (`/proc/cpuinfo`), else what `platform` knows of it."""
+def _cpuinfo_field(name: str) -> str | None:
+    """The first `name : value` field of `/proc/cpuinfo`, or `None` where there is none."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(name):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (`/proc/cpuinfo`), else what `platform` knows of it."""
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def default_device() -> str:
@@ -110,13 +115,7 @@ MKL_MODES = ("auto", "cnr", "default")
 
 def cpu_vendor() -> str | None:
     """The CPU vendor id from `/proc/cpuinfo` (`AuthenticAMD`, `GenuineIntel`, ...), or `None` where unknown."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
+    return _cpuinfo_field("vendor_id")
 
 
 def mkl_mode() -> str:
