@@ -18,6 +18,7 @@ import dflash_hf
 from dflash_hf import cli, targets
 from dflash_hf.data.prompts import encode_prompt
 from dflash_hf.engine import row_exact
+from dflash_hf.trainers import DFlashTrainer, DFlashTrainingConfig
 
 PROMPTS = ["Write a Python function that checks whether a number is prime.", "Name three uses of copper."]
 # target name -> (model type, layers, Hub id) of the target each bundled drafter was trained for
@@ -148,3 +149,41 @@ def test_bundled_drafter_exports_release_ready_folders(real_target, layout, tmp_
     folder = dflash_hf.export(drafter, tmp_path / layout, target=target, base_model=base_model, format=layout)
     names = {file.path for file in dflash_hf.validate_hub_folder(folder)}
     assert {"config.json", "model.safetensors", "README.md"} <= names
+
+
+def test_trainer_evaluation_predicts_what_the_engine_accepts(real_target, tmp_path):
+    """The held-out acceptance the trainer logs is what decoding gets: at every anchor the engine drafts from, the
+    trainer's evaluation forward (all anchors of the row at once under the sparse block mask) predicts exactly the
+    number of drafts the engine accepts there, so context, positions and masks agree between training and inference."""
+    name, target, tokenizer = real_target
+    drafter = dflash_hf.DFlashDraftModel.from_pretrained(targets.bundled_drafter_dir(name), dtype=torch.float32)
+    ids = torch.tensor([encode_prompt(tokenizer, PROMPTS[1])])
+    prompt_length = ids.shape[1]
+    row = target.generate(ids, max_new_tokens=48, do_sample=False)
+    out = dflash_hf.generate(
+        target, drafter, ids, max_new_tokens=48, block_size=8, candidates="dflash", return_dict_in_generate=True
+    )
+    assert torch.equal(out.sequences, row)
+
+    args = DFlashTrainingConfig(
+        output_dir=str(tmp_path), block_size=8, distill_weight=0.0, use_cpu=True, report_to="none", disable_tqdm=True
+    )
+    trainer = DFlashTrainer(model=drafter, args=args, target=target, processing_class=tokenizer)
+    inputs = {
+        "input_ids": row,
+        "loss_mask": (torch.arange(row.shape[1]) >= prompt_length).long()[None],
+        "attention_mask": torch.ones_like(row),
+    }
+    with torch.no_grad():
+        _, stats = trainer.dflash_loss(trainer.model.eval(), inputs)
+    predicted = torch.cumprod(stats["correct"][0, :, 1:].long(), dim=-1).sum(dim=-1).tolist()
+    valid = stats["anchor_valid"][0].tolist()
+    by_anchor = {anchor: drafts for anchor, drafts, ok in zip(stats["anchors"][0].tolist(), predicted, valid) if ok}
+
+    compared, anchor = [], prompt_length  # the first block is anchored at the prefill's token
+    for committed in out.accepted_lengths[0]:
+        if anchor in by_anchor:  # the block fits in the row
+            compared.append((anchor, committed - 1, by_anchor[anchor]))
+        anchor += committed
+    assert len(compared) >= 4 and any(engine > 0 for _, engine, _ in compared), compared
+    assert all(engine == evaluation for _, engine, evaluation in compared), compared
