@@ -28,6 +28,7 @@ from dflash_hf import DFlashConfig, DFlashDraftModel
 
 torch.set_num_threads(1)  # tiny models: one thread is fastest and deterministic
 
+
 @pytest.fixture(autouse=True)
 def _restore_mkl_mode():
     """CLI commands choose MKL's code path through `MKL_CBWR` (`runtime.select_mkl_mode`): keep a test's choice

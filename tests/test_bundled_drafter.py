@@ -12,13 +12,13 @@ from pathlib import Path
 import dflash_hf.modeling
 import pytest
 import torch
+from dflash_hf.trainers import DFlashTrainer, DFlashTrainingConfig
 from test_cli_generate import COMPARE
 
 import dflash_hf
 from dflash_hf import cli, targets
 from dflash_hf.data.prompts import encode_prompt
 from dflash_hf.engine import row_exact
-from dflash_hf.trainers import DFlashTrainer, DFlashTrainingConfig
 
 PROMPTS = ["Write a Python function that checks whether a number is prime.", "Name three uses of copper."]
 # target name -> (model type, layers, Hub id) of the target each bundled drafter was trained for
