@@ -7,10 +7,9 @@ import logging
 
 import pytest
 import torch
-from dflash_hf.trainers import DFlashDataCollator, DFlashTrainer, DFlashTrainingConfig, sample_anchors
+from dflash_hf.trainers import DFlashDataCollator, DFlashTrainer, DFlashTrainingConfig, optimizers, sample_anchors
 from dflash_hf.trainers.initialisation import initialise_from_target
 from dflash_hf.trainers.masks import valid_anchor_positions
-from dflash_hf.trainers import optimizers
 from dflash_hf.trainers.optimizers import MuonWithAdamW, newton_schulz_float32_pays, orthogonalise_in_float32
 from test_train_helpers import make_tiny_target, make_tokenizer, one_thread, tiny_train_config, write_prompts
 
