@@ -12,7 +12,7 @@ from pathlib import Path
 import dflash_hf.modeling
 import pytest
 import torch
-from dflash_hf.trainers import DFlashTrainer, DFlashTrainingConfig
+from dflash_hf.trainers import DFlashTrainer, DFlashTrainingConfig, accepted_drafts
 from test_cli_generate import COMPARE
 
 import dflash_hf
@@ -176,7 +176,7 @@ def test_trainer_evaluation_predicts_what_the_engine_accepts(real_target, tmp_pa
     }
     with torch.no_grad():
         _, stats = trainer.dflash_loss(trainer.model.eval(), inputs)
-    predicted = torch.cumprod(stats["correct"][0, :, 1:].long(), dim=-1).sum(dim=-1).tolist()
+    predicted = accepted_drafts(stats["correct"][0]).tolist()
     valid = stats["anchor_valid"][0].tolist()
     by_anchor = {anchor: drafts for anchor, drafts, ok in zip(stats["anchors"][0].tolist(), predicted, valid) if ok}
 

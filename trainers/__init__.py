@@ -9,6 +9,7 @@
 from .collator import DFlashDataCollator
 from .config import DFlashTrainingConfig
 from .masks import (
+    accepted_drafts,
     block_attention_mask,
     build_blocks,
     decoding_walk,
@@ -24,6 +25,7 @@ __all__ = [
     "DFlashDataCollator",
     "DFlashTrainer",
     "DFlashTrainingConfig",
+    "accepted_drafts",
     "block_attention_mask",
     "build_blocks",
     "default_loss_decay_gamma",

@@ -190,6 +190,12 @@ def implied_acceptance_length(slot_accuracy: list[float]) -> float:
     return total
 
 
+def accepted_drafts(correct: torch.Tensor) -> torch.Tensor:
+    """Drafts greedy verification accepts per block, `(..., B) -> (...)`: the longest run of correct slots from slot 1
+    (slot 0 is the given anchor)."""
+    return torch.cumprod(correct[..., 1:].long(), dim=-1).sum(dim=-1)
+
+
 def decoding_walk(prefix: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor) -> tuple[int, int]:
     """Greedy speculative decoding replayed on each row's own response: `(committed tokens, verify cycles)`.
 

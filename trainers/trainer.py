@@ -53,6 +53,7 @@ from .collator import DFlashDataCollator
 from .config import DFlashTrainingConfig
 from .initialisation import initialise_from_target
 from .masks import (
+    accepted_drafts,
     block_attention_mask,
     build_blocks,
     decoding_walk,
@@ -411,7 +412,7 @@ class DFlashTrainer(PickleFreeCheckpoints):
         sums["slot_correct"] += correct.sum(dim=(0, 1)).to(torch.float64)
         sums["slot_total"] += selected.sum(dim=(0, 1)).to(torch.float64)
         if "anchor_valid" in stats:
-            prefix = torch.cumprod(correct[:, :, 1:].long(), dim=-1).sum(dim=-1)  # accepted drafts per block
+            prefix = accepted_drafts(correct)
             valid = stats["anchor_valid"]
             sums["prefix_sum"] += prefix[valid].sum().to(torch.float64)
             sums["blocks"] += valid.sum().to(torch.float64)
