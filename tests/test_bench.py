@@ -12,6 +12,7 @@ from conftest import make_oracle, make_target
 from test_targets import make_llama, make_tokenizer, save_tiny_target
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, bench, cli, runtime
+from dflash_hf.commands.bench import _command_line
 from dflash_hf.engine.adapters import engine_kernels, uses_engine_kernels
 
 PROMPTS = [[1, 5, 9, 12, 5, 9], [1, 7, 7, 3, 30, 31, 7, 7]]
@@ -381,6 +382,14 @@ def test_cli_end_to_end(folders, tmp_path, capsys):
     document = json.loads((out / bench.JSON_NAME).read_text())
     assert document["settings"]["methods"][-3:] == ["sample_t0.7", "dflash_b4_t0.7_argmax", "dflash_b4_t0.7_sample"]
     assert "--temperatures 0.7 --sampling-block-size 4" in document["command"]
+
+
+def test_recorded_command_names_the_drafter_only_as_given():
+    parser = cli.build_parser()
+    bundled_default = parser.parse_args(["bench", "--target", "smollm2-135m"])
+    assert "--drafter" not in _command_line(bundled_default, threads=None)
+    given = parser.parse_args(["bench", "--target", "smollm2-135m", "--drafter", "org/my-drafter"])
+    assert "--target smollm2-135m --drafter org/my-drafter --prompts" in _command_line(given, threads=None)
 
 
 def test_cli_mismatch_exit_status(folders, tmp_path, capsys, monkeypatch):

@@ -120,12 +120,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def _command_line(args: argparse.Namespace, drafter: Path, threads: int | None) -> str:
-    """The full command with every setting spelled out, so that it reproduces this run."""
-    argv = [
-        "dflash-hf", "bench",
-        "--target", str(args.target),
-        "--drafter", str(drafter),
+def _command_line(args: argparse.Namespace, threads: int | None) -> str:
+    """The full command with every setting spelled out, so that it reproduces this run.
+
+    `--drafter` appears only as given: the target's bundled default is left implicit, so the recorded command names no
+    path of the machine that ran it.
+    """
+    argv = ["dflash-hf", "bench", "--target", str(args.target)]
+    if args.drafter is not None:
+        argv += ["--drafter", str(args.drafter)]
+    argv += [
         "--prompts", str(args.prompts),
         "--num-prompts", str(args.num_prompts),
         "--max-new-tokens", str(args.max_new_tokens),
@@ -238,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
         },
         progress=not args.no_progress,
     )
-    result.command = _command_line(args, drafter_dir, threads)
+    result.command = _command_line(args, threads)
     paths = bench.write_outputs(result, args.out)
     print(bench.markdown_table(result), end="", flush=True)
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}", flush=True)
