@@ -123,6 +123,8 @@ class GenerationCall:
         candidates: str = DEFAULT_CANDIDATES,
         lookup_tokens: int | None = None,
     ) -> None:
+        # long because it checks three user arguments, each with an error that names the fix, before it sets up the
+        # call state every step reads; splitting it would only move those lines behind another call
         if candidates not in CANDIDATE_SOURCES:
             raise ValueError(
                 f"candidates must be one of {CANDIDATE_SOURCES}, got {candidates!r}: 'dflash' verifies the DFlash "
