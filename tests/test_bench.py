@@ -255,6 +255,9 @@ def test_outputs_json_schema_plots_and_readme_section(result, tmp_path):
     }  # fmt: skip
     assert "Forward costs on this machine (float32, 256-token context)" in section
     assert "![Forward cost relative to a 1-token step](docs/bench/cost_profile.png)" in section
+    floor_row = next(line for line in section.splitlines() if line.startswith("| floor, x step |"))
+    ms_row = next(line for line in section.splitlines() if line.startswith("| ms |"))
+    assert floor_row.startswith("| floor, x step | 1.00 |") and floor_row.count("|") == ms_row.count("|")
     # a drafter bundled in the package is named by its place in the package, not by this machine's path
     document["settings"]["drafter"] = "/somewhere/site-packages/dflash_hf/bundled/dflash-x"
     assert "with the bundled drafter `dflash_hf/bundled/dflash-x` (trained" in bench.render_markdown(document)

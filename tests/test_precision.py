@@ -13,6 +13,7 @@ from test_targets import make_llama, save_tiny_target
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, cli, generate, runtime, targets
 from dflash_hf import precision as precision_module
+from dflash_hf.bench import profile as profile_module
 from dflash_hf.bench.profile import measure_costs
 from dflash_hf.commands import bench as bench_command
 from dflash_hf.commands import generate as generate_command
@@ -272,10 +273,44 @@ def test_cost_profile_measures_every_count_and_block():
     assert list(profile["target_ms"]) == ["1", "2", "4", "8"] and list(profile["drafter_ms"]) == ["2", "4"]
     assert profile["target_relative"]["1"] == 1.0
     assert all(v > 0 for v in [*profile["target_ms"].values(), *profile["drafter_ms"].values()])
+    assert list(profile["matmul_ms"]) == ["1", "2", "4", "8"] and profile["floor_relative"]["1"] == 1.0
+    step, matmuls = profile["target_ms"]["1"], profile["matmul_ms"]
+    assert profile["floor_relative"]["8"] == pytest.approx((step - matmuls["1"] + matmuls["8"]) / step)
+    assert list(profile["drafter_matmul_ms"]) == ["2", "4"]
+    assert profile["drafter_matmul_relative"]["4"] == pytest.approx(profile["drafter_matmul_ms"]["4"] / step)
+    assert "matmul_ms" not in measure_costs(target, drafter, (2, 4), context_tokens=16, repeats=1)  # no 1-token step
+    assert "matmul_ms" not in measure_costs(target, drafter, (1, 4), context_tokens=16, repeats=1, matmuls=False)
     bf16 = measure_costs(_bf16_target("llama"), drafter.to(torch.bfloat16), (1, 4), context_tokens=16, repeats=1)
     assert bf16["dtype"] == "bfloat16" and list(bf16["drafter_ms"]) == ["4"]
     with pytest.raises(ValueError, match="must be >= 1"):
         measure_costs(target, drafter, token_counts=(0, 2))
+
+
+def test_matmul_floor_times_every_linear_layer_and_the_head_on_k_rows(monkeypatch):
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=4)
+    linears, draft_linears = profile_module.decoder_linears(target), profile_module.decoder_linears(drafter)
+    names = {module: name for name, module in [*target.named_modules(), *drafter.named_modules(prefix="draft")]}
+    assert target.get_output_embeddings() not in linears and len(linears) == 7 * target.config.num_hidden_layers
+    assert {names[m].rsplit(".", 1)[-1] for m in linears} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                             "up_proj", "down_proj"}  # fmt: skip
+    assert len(draft_linears) == 1 + 7 * drafter.config.num_hidden_layers  # its context projection and its layers
+    calls: list[tuple[str, int]] = []
+    for module in linears + draft_linears:
+        module.register_forward_hook(lambda m, args, out: calls.append((names[m], args[0].shape[0])))
+    logits = profile_module.TargetAdapter.logits
+    monkeypatch.setattr(
+        profile_module.TargetAdapter,
+        "logits",
+        lambda self, hidden, token_ids=None: calls.append(("head", hidden.shape[0])) or logits(self, hidden, token_ids),
+    )
+    measure_costs(target, drafter, token_counts=(1, 4), context_tokens=16, repeats=1)
+    products = [call for call in calls if call[1] == 4]  # the forwards' calls have a batch dimension first
+    target_run = [(names[m], 4) for m in linears] + [("head", 4)]
+    draft_run = [(names[m], 4) for m in draft_linears] + [("head", 4)]
+    # the drafter's products come last, timed in 2 rounds (1 untimed); before them the target's last round
+    assert products[-2 * len(draft_run) :] == 2 * draft_run
+    assert products[: -2 * len(draft_run)][-len(target_run) :] == target_run
 
 
 def test_profile_command_writes_json_and_plot(folders, tmp_path, capsys):

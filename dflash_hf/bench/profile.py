@@ -6,15 +6,22 @@ step costs a 1-token forward, so the speedup is at most tau x step / (verify(B) 
 the way the engine runs it (the target through [`TargetAdapter`] with LM-head logits for every new token, inside
 row-exact verification where the engine would use it; the drafter with its context features and draft-vocabulary
 logits), on a cache of `context_tokens` positions that is rolled back after every timed call.
+
+Next to them it times the matrix products alone on k rows (every linear layer, then the LM head the engine's way), of
+the target and of the drafter: what any forward must compute with this machine's kernels. Their growth from 1 to k rows
+bounds how cheap a k-token verify can get here, however little the rest of the forward costs, and the drafter's bound
+how cheap a draft can get.
 """
 
 from __future__ import annotations
 
 import functools
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
@@ -27,27 +34,33 @@ from ..runtime import Stopwatch
 DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 16)
 
 
-def _median_ms(call, repeats: int, device: torch.device) -> float:
-    """Median wall time of `call()` in milliseconds over `repeats` timed runs, after one untimed run."""
-    call()
-    times = []
-    for _ in range(repeats):
-        with Stopwatch(device) as watch:
-            call()
-        times.append(1000.0 * watch.total)
-    return statistics.median(times)
+Call = Callable[[], None]
 
 
-def _target_ms(
+def _interleaved_medians(calls: dict[int, Call], repeats: int, device: torch.device) -> dict[int, float]:
+    """Median wall time in ms of each call over `repeats` rounds that run every call once, in turn, after one untimed
+    round: a shared machine's drift between rounds then touches every call alike, so their ratios hold. (Each kind of
+    call gets its own rounds: mixed into the target's rounds, the first drafter call of each round cost several times
+    a decode loop's draft on an AVX2 EPYC.)"""
+    times: dict[int, list[float]] = {key: [] for key in calls}
+    for round_index in range(repeats + 1):
+        for key, call in calls.items():
+            with Stopwatch(device) as watch:
+                call()
+            if round_index:
+                times[key].append(1000.0 * watch.total)
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
+def _target_calls(
     adapter: TargetAdapter,
     cache: DynamicCache,
     context_tokens: int,
     token_counts: tuple[int, ...],
     exact: bool,
-    repeats: int,
     generator: torch.Generator,
-) -> dict[int, float]:
-    """Median ms of a target forward of each token count (with logits for every new token) on the cached context."""
+) -> dict[int, Call]:
+    """A target forward of each token count (with logits for every new token) on the cached context, rolled back."""
     device = adapter.target.device
 
     def target_forward(count: int) -> None:
@@ -58,19 +71,48 @@ def _target_ms(
             adapter.logits(step.last_hidden_state)
         truncate_cache(cache, context_tokens)
 
-    return {count: _median_ms(functools.partial(target_forward, count), repeats, device) for count in token_counts}
+    return {count: functools.partial(target_forward, count) for count in token_counts}
 
 
-def _drafter_ms(
+def decoder_linears(model: PreTrainedModel) -> list[nn.Linear]:
+    """Every linear layer of `model` except its LM head (if it has one), in module order."""
+    head = model.get_output_embeddings()
+    return [module for module in model.modules() if isinstance(module, nn.Linear) and module is not head]
+
+
+def _matmul_calls(
+    model: PreTrainedModel,
+    logits: Callable[[torch.Tensor], torch.Tensor],
+    hidden_size: int,
+    row_counts: list[int],
+    generator: torch.Generator,
+) -> dict[int, Call]:
+    """`model`'s matrix products alone for each row count: every linear layer on `rows` rows of random activations,
+    then `logits` (the LM head the engine's way) on as many, with nothing between them."""
+    linears = decoder_linears(model)
+    widths = {layer.in_features for layer in linears} | {hidden_size}
+    device, dtype = model.device, next(model.parameters()).dtype
+
+    def products(inputs: dict[int, torch.Tensor]) -> None:
+        for layer in linears:
+            layer(inputs[layer.in_features])
+        logits(inputs[hidden_size])
+
+    def random_inputs(rows: int) -> dict[int, torch.Tensor]:
+        return {width: torch.randn(rows, width, generator=generator).to(device, dtype) for width in widths}
+
+    return {rows: functools.partial(products, random_inputs(rows)) for rows in row_counts}
+
+
+def _drafter_calls(
     adapter: TargetAdapter,
     drafter: DFlashDraftModel,
     context: torch.LongTensor,
     tapped: torch.Tensor,
     block_sizes: list[int],
-    repeats: int,
-) -> dict[int, float]:
-    """Median ms of a drafter forward (with draft-vocabulary logits) for each block size: the drafter first ingests
-    the whole context, then each timed call adds 2 committed tokens' features and rolls back (a typical cycle)."""
+) -> dict[int, Call]:
+    """A drafter forward (with draft-vocabulary logits) for each block size: the drafter first ingests the whole
+    context here, then each call adds 2 committed tokens' features and rolls back (a typical cycle)."""
     device = context.device
     context_tokens = context.shape[1]
     draft_cache = DynamicCache()
@@ -96,7 +138,7 @@ def _drafter_ms(
         drafter_forward(block, tapped[:, -2:], context_tokens - 2)
         truncate_cache(draft_cache, context_tokens - 2)
 
-    return {block: _median_ms(functools.partial(cycle, block), repeats, device) for block in block_sizes}
+    return {block: functools.partial(cycle, block) for block in block_sizes}
 
 
 @torch.no_grad()
@@ -108,6 +150,7 @@ def measure_costs(
     repeats: int = 5,
     seed: int = 0,
     row_exact_verify: bool = True,
+    matmuls: bool = True,
 ) -> dict[str, Any]:
     """Time the target's forward for each of `token_counts` new tokens and the drafter's for each block size.
 
@@ -116,6 +159,12 @@ def measure_costs(
     to a 1-token step) and `drafter_ms` / `drafter_relative` (per block size from `token_counts` >= 2 up to the
     drafter's, relative to the same 1-token step). `row_exact_verify=False` times stock multi-token forwards instead
     (what a reduced-precision verify would cost without exactness; the engine never runs that).
+
+    With `matmuls` (and a 1-token count), also `matmul_ms` (the target's matrix products alone on k rows, see the
+    module docstring) and `floor_relative`: the cost of a k-token forward, relative to the step, if everything but
+    those products cost what it costs for one token, `(step - matmul(1) + matmul(k)) / step`; and
+    `drafter_matmul_ms` / `drafter_matmul_relative`: the drafter's linear layers and draft-vocabulary head alone on B
+    rows (its whole forward can cost no less).
     """
     if context_tokens < 1 or repeats < 1 or not token_counts or min(token_counts) < 1:
         raise ValueError("context_tokens, repeats and every token count must be >= 1, with at least one count.")
@@ -127,10 +176,32 @@ def measure_costs(
     context = torch.randint(0, adapter.vocab_size, (1, context_tokens), generator=generator).to(device)
     cache = DynamicCache()
     prefill = adapter.forward(context, None, torch.arange(context_tokens, device=device)[None], cache)
-    target_ms = _target_ms(adapter, cache, context_tokens, token_counts, exact, repeats, generator)
     block_sizes = [b for b in token_counts if 2 <= b <= int(drafter.config.block_size)]
-    drafter_ms = _drafter_ms(adapter, drafter, context, prefill.context_hidden_states, block_sizes, repeats)
+    groups = {
+        "target": _target_calls(adapter, cache, context_tokens, token_counts, exact, generator),
+        "drafter": _drafter_calls(adapter, drafter, context, prefill.context_hidden_states, block_sizes),
+        "matmul": {},
+        "drafter_matmul": {},
+    }
+    if matmuls and 1 in token_counts:
+        draft_ids = getattr(drafter, "draft_token_ids", None)
+        draft_ids = None if draft_ids is None else draft_ids.to(device)
+        hidden = adapter.hidden_size
+        groups["matmul"] = _matmul_calls(target, adapter.logits, hidden, list(token_counts), generator)
+        draft_logits = functools.partial(adapter.logits, token_ids=draft_ids)
+        groups["drafter_matmul"] = _matmul_calls(drafter, draft_logits, hidden, block_sizes, generator)
+    target_ms, drafter_ms, matmul_ms, drafter_matmul_ms = (
+        _interleaved_medians(calls, repeats, device) for calls in groups.values()
+    )
     step_ms = target_ms.get(1) or min(target_ms.values())
+    floor = {}
+    if matmul_ms:
+        floor = {
+            "matmul_ms": {str(k): v for k, v in matmul_ms.items()},
+            "floor_relative": {str(k): (step_ms - matmul_ms[1] + v) / step_ms for k, v in matmul_ms.items()},
+            "drafter_matmul_ms": {str(b): v for b, v in drafter_matmul_ms.items()},
+            "drafter_matmul_relative": {str(b): v / step_ms for b, v in drafter_matmul_ms.items()},
+        }
     return {
         "dtype": str(target.dtype).replace("torch.", ""),
         "context_tokens": context_tokens,
@@ -140,16 +211,34 @@ def measure_costs(
         "target_relative": {str(k): v / step_ms for k, v in target_ms.items()},
         "drafter_ms": {str(k): v for k, v in drafter_ms.items()},
         "drafter_relative": {str(k): v / step_ms for k, v in drafter_ms.items()},
+        **floor,
     }
 
 
 def plot_profiles(profiles: list[dict[str, Any]], axes) -> None:
-    """Cost relative to a 1-token step vs tokens per forward: one target line and one drafter line per profile."""
+    """Cost relative to a 1-token step vs tokens per forward: a target line, its matmul floor where measured and a
+    drafter line per profile."""
     for profile in profiles:
         counts = [int(k) for k in profile["target_relative"]]
         line = axes.plot(
             counts, list(profile["target_relative"].values()), marker="o", label=f"target, {profile['dtype']}"
         )
+        if profile.get("floor_relative"):
+            axes.plot(
+                [int(k) for k in profile["floor_relative"]],
+                list(profile["floor_relative"].values()),
+                linestyle=":",
+                color=line[0].get_color(),
+                label=f"target, matmuls-only floor, {profile['dtype']}",
+            )
+            axes.plot(
+                [int(b) for b in profile["drafter_matmul_relative"]],
+                list(profile["drafter_matmul_relative"].values()),
+                linestyle="none",
+                marker="x",
+                color=line[0].get_color(),
+                label=f"drafter, matmuls alone, {profile['dtype']}",
+            )
         if profile["drafter_relative"]:
             axes.plot(
                 [int(k) for k in profile["drafter_relative"]],

@@ -154,7 +154,8 @@ def render_markdown(
 
 
 def _cost_lines(profile: dict[str, Any] | None, prefix: str) -> list[str]:
-    """The cost-profile table (target forward per token count, drafter per block size) and its plot, if measured."""
+    """The cost-profile table (target forward per token count, drafter per block size, the matmul floor where measured)
+    and its plot, if measured."""
     if not profile:
         return []
     counts = list(profile["target_ms"])
@@ -163,7 +164,13 @@ def _cost_lines(profile: dict[str, Any] | None, prefix: str) -> list[str]:
         "",
         f"Forward costs on this machine ({profile['dtype']}, {profile['context_tokens']}-token context"
         f"{', multi-token target forwards row-exact' if profile.get('row_exact') else ''}), in ms and relative to one "
-        "1-token target step:",
+        "1-token target step"
+        + (
+            " ('matmuls alone': the linear layers and LM head on k rows; 'floor': a k-token target forward whose "
+            "other work costs what it costs for one token, and a draft that is its matmuls alone):"
+            if "floor_relative" in profile
+            else ":"
+        ),
         "",
         "| | "
         + " | ".join(f"{k} tok" for k in counts)
@@ -178,6 +185,20 @@ def _cost_lines(profile: dict[str, Any] | None, prefix: str) -> list[str]:
         + " | ".join(f"{profile['target_relative'][k]:.2f}" for k in counts)
         + (" | " + " | ".join(f"{profile['drafter_relative'][b]:.2f}" for b in blocks) if blocks else "")
         + " |",
+        *(
+            [
+                "| matmuls alone, ms | "
+                + " | ".join(f"{profile['matmul_ms'][k]:.1f}" for k in counts)
+                + "".join(f" | {profile['drafter_matmul_ms'][b]:.1f}" for b in blocks)
+                + " |",
+                "| floor, x step | "
+                + " | ".join(f"{profile['floor_relative'][k]:.2f}" for k in counts)
+                + "".join(f" | {profile['drafter_matmul_relative'][b]:.2f}" for b in blocks)
+                + " |",
+            ]
+            if "floor_relative" in profile
+            else []
+        ),
         "",
         f"![Forward cost relative to a 1-token step]({prefix}{PLOT_NAMES['cost_profile']})",
     ]

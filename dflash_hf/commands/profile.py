@@ -90,6 +90,19 @@ def run(args: argparse.Namespace) -> int:
                 f"{k} tok {v:6.1f} ms ({profile['target_relative'][k]:.2f}x)" for k, v in profile["target_ms"].items()
             )
         )
+        if "floor_relative" in profile:
+            print(
+                "  matmuls "
+                + "  ".join(
+                    f"{k} tok {v:6.1f} ms (floor {profile['floor_relative'][k]:.2f}x)"
+                    for k, v in profile["matmul_ms"].items()
+                )
+                + "  drafter "
+                + "  ".join(
+                    f"B={b} {v:5.1f} ms ({profile['drafter_matmul_relative'][b]:.2f}x)"
+                    for b, v in profile["drafter_matmul_ms"].items()
+                )
+            )
         print(
             "  drafter "
             + "  ".join(
