@@ -13,6 +13,7 @@ from test_targets import make_llama, make_tokenizer, save_tiny_target
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, bench, cli, runtime
 from dflash_hf.commands.bench import _command_line
+from dflash_hf.engine import grouped_attention
 from dflash_hf.engine.adapters import engine_kernels, uses_engine_kernels
 
 PROMPTS = [[1, 5, 9, 12, 5, 9], [1, 7, 7, 3, 30, 31, 7, 7]]
@@ -257,6 +258,8 @@ def test_outputs_json_schema_plots_and_readme_section(result, tmp_path):
     assert "![Forward cost relative to a 1-token step](docs/bench/cost_profile.png)" in section
     floor_row = next(line for line in section.splitlines() if line.startswith("| floor, x step |"))
     ms_row = next(line for line in section.splitlines() if line.startswith("| ms |"))
+    stock_row = next(line for line in section.splitlines() if line.startswith("| ms, Transformers' `sdpa` |"))
+    assert stock_row.startswith("| ms, Transformers' `sdpa` | - | ") and stock_row.count("|") == ms_row.count("|")
     assert floor_row.startswith("| floor, x step | 1.00 |") and floor_row.count("|") == ms_row.count("|")
     # a drafter bundled in the package is named by its place in the package, not by this machine's path
     document["settings"]["drafter"] = "/somewhere/site-packages/dflash_hf/bundled/dflash-x"
@@ -272,10 +275,17 @@ def test_engine_kernels_baseline_swaps_the_head_only_inside(setup):
     stock = target(ids).logits
     with engine_kernels(target):
         assert target.get_output_embeddings() is not head
+        assert target.config._attn_implementation == grouped_attention.ATTENTION_NAME
         swapped = target(ids).logits
-    assert target.get_output_embeddings() is head
+    assert target.get_output_embeddings() is head and target.config._attn_implementation == "sdpa"
     torch.testing.assert_close(swapped, stock, rtol=1e-4, atol=1e-4)
-    assert uses_engine_kernels(target) and not uses_engine_kernels(make_target("llama").to(torch.bfloat16))
+    assert uses_engine_kernels(target)
+    assert uses_engine_kernels(make_target("llama").to(torch.bfloat16))  # grouped attention only
+    assert not uses_engine_kernels(make_target("llama", attn_implementation="eager").to(torch.bfloat16))
+    bf16_eager = make_target("llama", attn_implementation="eager").to(torch.bfloat16)
+    bf16_head = bf16_eager.get_output_embeddings()
+    with engine_kernels(bf16_eager):  # nothing to swap
+        assert bf16_eager.get_output_embeddings() is bf16_head and bf16_eager.config._attn_implementation == "eager"
 
 
 def test_longer_lookup_branch_rows(setup):

@@ -277,11 +277,14 @@ def test_cost_profile_measures_every_count_and_block():
     step, matmuls = profile["target_ms"]["1"], profile["matmul_ms"]
     assert profile["floor_relative"]["8"] == pytest.approx((step - matmuls["1"] + matmuls["8"]) / step)
     assert list(profile["drafter_matmul_ms"]) == ["2", "4"]
+    # grouped-query attention (4 query heads on 2 key/value heads here), and Transformers' sdpa for comparison
+    assert list(profile["stock_attention_ms"]) == ["2", "4", "8"] and profile["stock_attention_relative"]["8"] > 0
     assert profile["drafter_matmul_relative"]["4"] == pytest.approx(profile["drafter_matmul_ms"]["4"] / step)
     assert "matmul_ms" not in measure_costs(target, drafter, (2, 4), context_tokens=16, repeats=1)  # no 1-token step
     assert "matmul_ms" not in measure_costs(target, drafter, (1, 4), context_tokens=16, repeats=1, matmuls=False)
     bf16 = measure_costs(_bf16_target("llama"), drafter.to(torch.bfloat16), (1, 4), context_tokens=16, repeats=1)
     assert bf16["dtype"] == "bfloat16" and list(bf16["drafter_ms"]) == ["4"]
+    assert bf16["row_exact"] and "stock_attention_ms" not in bf16  # row-exact attention is left alone
     with pytest.raises(ValueError, match="must be >= 1"):
         measure_costs(target, drafter, token_counts=(0, 2))
 

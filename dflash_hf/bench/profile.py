@@ -15,6 +15,7 @@ how cheap a draft can get.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from transformers.cache_utils import DynamicCache
 from ..engine import row_exact
 from ..engine.adapters import TargetAdapter
 from ..engine.cache_ops import truncate_cache
+from ..engine.grouped_attention import grouped_attention, stock_attention, uses_grouped_attention
 from ..modeling import DFlashDraftModel
 from ..runtime import Stopwatch
 
@@ -59,19 +61,24 @@ def _target_calls(
     token_counts: tuple[int, ...],
     exact: bool,
     generator: torch.Generator,
+    compare_stock_attention: bool,
 ) -> dict[int, Call]:
-    """A target forward of each token count (with logits for every new token) on the cached context, rolled back."""
+    """A target forward of each token count (with logits for every new token) on the cached context, rolled back;
+    with `compare_stock_attention`, also each multi-token forward in Transformers' `sdpa` (keyed by minus its count)."""
     device = adapter.target.device
 
-    def target_forward(count: int) -> None:
+    def target_forward(count: int, stock: bool = False) -> None:
         ids = torch.randint(0, adapter.vocab_size, (1, count), generator=generator).to(device)
         positions = torch.arange(context_tokens, context_tokens + count, device=device)[None]
-        with row_exact.verification(exact):
+        with row_exact.verification(exact), stock_attention() if stock else contextlib.nullcontext():
             step = adapter.forward(ids, None, positions, cache)
             adapter.logits(step.last_hidden_state)
         truncate_cache(cache, context_tokens)
 
-    return {count: functools.partial(target_forward, count) for count in token_counts}
+    calls = {count: functools.partial(target_forward, count) for count in token_counts}
+    if compare_stock_attention:
+        calls |= {-count: functools.partial(target_forward, count, True) for count in token_counts if count > 1}
+    return calls
 
 
 def decoder_linears(model: PreTrainedModel) -> list[nn.Linear]:
@@ -164,7 +171,9 @@ def measure_costs(
     module docstring) and `floor_relative`: the cost of a k-token forward, relative to the step, if everything but
     those products cost what it costs for one token, `(step - matmul(1) + matmul(k)) / step`; and
     `drafter_matmul_ms` / `drafter_matmul_relative`: the drafter's linear layers and draft-vocabulary head alone on B
-    rows (its whole forward can cost no less).
+    rows (its whole forward can cost no less). Multi-token target forwards run in the engine's grouped-query attention
+    where it applies (`engine.grouped_attention`); then `stock_attention_ms` / `stock_attention_relative` also time them in
+    Transformers' `sdpa`, in the same rounds.
     """
     if context_tokens < 1 or repeats < 1 or not token_counts or min(token_counts) < 1:
         raise ValueError("context_tokens, repeats and every token count must be >= 1, with at least one count.")
@@ -177,8 +186,9 @@ def measure_costs(
     cache = DynamicCache()
     prefill = adapter.forward(context, None, torch.arange(context_tokens, device=device)[None], cache)
     block_sizes = [b for b in token_counts if 2 <= b <= int(drafter.config.block_size)]
+    grouped = uses_grouped_attention(target)
     groups = {
-        "target": _target_calls(adapter, cache, context_tokens, token_counts, exact, generator),
+        "target": _target_calls(adapter, cache, context_tokens, token_counts, exact, generator, grouped),
         "drafter": _drafter_calls(adapter, drafter, context, prefill.context_hidden_states, block_sizes),
         "matmul": {},
         "drafter_matmul": {},
@@ -190,9 +200,11 @@ def measure_costs(
         groups["matmul"] = _matmul_calls(target, adapter.logits, hidden, list(token_counts), generator)
         draft_logits = functools.partial(adapter.logits, token_ids=draft_ids)
         groups["drafter_matmul"] = _matmul_calls(drafter, draft_logits, hidden, block_sizes, generator)
-    target_ms, drafter_ms, matmul_ms, drafter_matmul_ms = (
-        _interleaved_medians(calls, repeats, device) for calls in groups.values()
-    )
+    with grouped_attention(target):  # the attention the engine runs its multi-token forwards in
+        target_ms, drafter_ms, matmul_ms, drafter_matmul_ms = (
+            _interleaved_medians(calls, repeats, device) for calls in groups.values()
+        )
+    stock_ms = {-k: target_ms.pop(k) for k in list(target_ms) if k < 0}
     step_ms = target_ms.get(1) or min(target_ms.values())
     floor = {}
     if matmul_ms:
@@ -212,6 +224,14 @@ def measure_costs(
         "drafter_ms": {str(k): v for k, v in drafter_ms.items()},
         "drafter_relative": {str(k): v / step_ms for k, v in drafter_ms.items()},
         **floor,
+        **(
+            {
+                "stock_attention_ms": {str(k): v for k, v in stock_ms.items()},
+                "stock_attention_relative": {str(k): v / step_ms for k, v in stock_ms.items()},
+            }
+            if stock_ms
+            else {}
+        ),
     }
 
 

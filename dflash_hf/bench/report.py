@@ -153,56 +153,55 @@ def render_markdown(
     return "\n".join(lines) + "\n"
 
 
+def _cost_row(label: str, counts: list[str], blocks: list[str], target: dict | None, drafter: dict | None, digits: int):
+    """One row of the cost table: a value per token count, then one per draft block size ('-' where not measured)."""
+    cells = [f"{target[k]:.{digits}f}" if target and k in target else "-" for k in counts]
+    cells += [f"{drafter[b]:.{digits}f}" if drafter and b in drafter else "-" for b in blocks]
+    return f"| {label} | " + " | ".join(cells) + " |"
+
+
 def _cost_lines(profile: dict[str, Any] | None, prefix: str) -> list[str]:
-    """The cost-profile table (target forward per token count, drafter per block size, the matmul floor where measured)
-    and its plot, if measured."""
+    """The cost-profile table (target forward per token count, drafter per block size; in Transformers' `sdpa` and
+    the matmul floor where measured) and its plot, if measured."""
     if not profile:
         return []
-    counts = list(profile["target_ms"])
-    blocks = list(profile["drafter_ms"])
-    lines = [
+    counts, blocks = list(profile["target_ms"]), list(profile["drafter_ms"])
+    stock, floor = "stock_attention_ms" in profile, "floor_relative" in profile
+    rows = [
+        _cost_row("ms", counts, blocks, profile["target_ms"], profile["drafter_ms"], 1),
+        _cost_row("x step", counts, blocks, profile["target_relative"], profile["drafter_relative"], 2),
+    ]
+    if stock:
+        rows.append(_cost_row("ms, Transformers' `sdpa`", counts, blocks, profile["stock_attention_ms"], None, 1))
+    if floor:
+        rows.append(
+            _cost_row("matmuls alone, ms", counts, blocks, profile["matmul_ms"], profile["drafter_matmul_ms"], 1)
+        )
+        rows.append(
+            _cost_row("floor, x step", counts, blocks, profile["floor_relative"], profile["drafter_matmul_relative"], 2)
+        )
+    row_exact = ", multi-token target forwards row-exact" if profile.get("row_exact") else ""
+    notes = [
+        "multi-token forwards in the engine's grouped-query attention, and in Transformers' `sdpa` for comparison"
+        if stock
+        else "",
+        "'matmuls alone': the linear layers and LM head on k rows; 'floor': a k-token target forward whose other work "
+        "costs what it costs for one token, and a draft that is its matmuls alone"
+        if floor
+        else "",
+    ]
+    notes_text = "; ".join(note for note in notes if note)
+    return [
         "",
-        f"Forward costs on this machine ({profile['dtype']}, {profile['context_tokens']}-token context"
-        f"{', multi-token target forwards row-exact' if profile.get('row_exact') else ''}), in ms and relative to one "
-        "1-token target step"
-        + (
-            " ('matmuls alone': the linear layers and LM head on k rows; 'floor': a k-token target forward whose "
-            "other work costs what it costs for one token, and a draft that is its matmuls alone):"
-            if "floor_relative" in profile
-            else ":"
-        ),
+        f"Forward costs on this machine ({profile['dtype']}, {profile['context_tokens']}-token context{row_exact}), in "
+        "ms and relative to one 1-token target step" + (f" ({notes_text})" if notes_text else "") + ":",
         "",
-        "| | "
-        + " | ".join(f"{k} tok" for k in counts)
-        + (" | " + " | ".join(f"draft B={b}" for b in blocks) if blocks else "")
-        + " |",
+        "| | " + " | ".join([f"{k} tok" for k in counts] + [f"draft B={b}" for b in blocks]) + " |",
         "|---|" + "---:|" * (len(counts) + len(blocks)),
-        "| ms | "
-        + " | ".join(f"{profile['target_ms'][k]:.1f}" for k in counts)
-        + (" | " + " | ".join(f"{profile['drafter_ms'][b]:.1f}" for b in blocks) if blocks else "")
-        + " |",
-        "| x step | "
-        + " | ".join(f"{profile['target_relative'][k]:.2f}" for k in counts)
-        + (" | " + " | ".join(f"{profile['drafter_relative'][b]:.2f}" for b in blocks) if blocks else "")
-        + " |",
-        *(
-            [
-                "| matmuls alone, ms | "
-                + " | ".join(f"{profile['matmul_ms'][k]:.1f}" for k in counts)
-                + "".join(f" | {profile['drafter_matmul_ms'][b]:.1f}" for b in blocks)
-                + " |",
-                "| floor, x step | "
-                + " | ".join(f"{profile['floor_relative'][k]:.2f}" for k in counts)
-                + "".join(f" | {profile['drafter_matmul_relative'][b]:.2f}" for b in blocks)
-                + " |",
-            ]
-            if "floor_relative" in profile
-            else []
-        ),
+        *rows,
         "",
         f"![Forward cost relative to a 1-token step]({prefix}{PLOT_NAMES['cost_profile']})",
     ]
-    return lines
 
 
 def _plot_speedup(document: dict[str, Any], axes) -> None:

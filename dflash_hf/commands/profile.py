@@ -90,6 +90,14 @@ def run(args: argparse.Namespace) -> int:
                 f"{k} tok {v:6.1f} ms ({profile['target_relative'][k]:.2f}x)" for k, v in profile["target_ms"].items()
             )
         )
+        if "stock_attention_ms" in profile:
+            print(
+                "  target in Transformers' sdpa "
+                + "  ".join(
+                    f"{k} tok {v:6.1f} ms ({profile['stock_attention_relative'][k]:.2f}x)"
+                    for k, v in profile["stock_attention_ms"].items()
+                )
+            )
         if "floor_relative" in profile:
             print(
                 "  matmuls "

@@ -26,6 +26,7 @@ from transformers.cache_utils import Cache
 
 from ..modeling import DFlashDraftModel
 from . import row_exact
+from .grouped_attention import grouped_attention, uses_grouped_attention
 
 # The one table of supported targets: `model_type` -> (display name, model-card family). The family names the
 # `hub_cards/family_<family>.md` part of exported cards and is a Hub tag; `None`: no family notes, the tag is the
@@ -107,23 +108,32 @@ class _EngineLMHead(nn.Module):
         return head_projection(hidden_states, self.head.weight, self.head.bias)
 
 
-def uses_engine_kernels(target: PreTrainedModel) -> bool:
-    """Whether the engine computes `target`'s own layers with other kernels than `target.generate` does (today:
-    the oneDNN-prepacked LM head of a float32 target on CPU), so that a fair plain baseline needs them too."""
+def _prepacks_head(target: PreTrainedModel) -> bool:
     head = target.get_output_embeddings()
     return target.device.type == "cpu" and head.bias is None and head.weight.dtype == torch.float32
 
 
+def uses_engine_kernels(target: PreTrainedModel) -> bool:
+    """Whether the engine computes `target`'s own layers with other kernels than `target.generate` does (today: the
+    oneDNN-prepacked LM head of a float32 target on CPU, and grouped-query `sdpa` attention on CPU without key/value
+    copies, `engine.grouped_attention`), so that a fair plain baseline needs them too."""
+    return _prepacks_head(target) or uses_grouped_attention(target)
+
+
 @contextlib.contextmanager
 def engine_kernels(target: PreTrainedModel) -> Iterator[None]:
-    """Within this block `target`'s own forward computes its LM head with the engine's kernel (see
+    """Within this block `target`'s own forward computes its layers with the engine's kernels (see
     [`uses_engine_kernels`]): plain decoding with the same kernels as the engine, for honest baselines."""
     head = target.get_output_embeddings()
-    target.set_output_embeddings(_EngineLMHead(head))
+    prepack = _prepacks_head(target)
+    if prepack:
+        target.set_output_embeddings(_EngineLMHead(head))
     try:
-        yield
+        with grouped_attention(target):
+            yield
     finally:
-        target.set_output_embeddings(head)
+        if prepack:
+            target.set_output_embeddings(head)
 
 
 def check_built_for(drafter_config: PreTrainedConfig, target: PreTrainedModel) -> None:

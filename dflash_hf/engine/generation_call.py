@@ -28,6 +28,7 @@ from .acceptance import DEFAULT_SAMPLING_PROPOSAL, SAMPLING_PROPOSALS, greedy_ac
 from .adapters import TargetAdapter
 from .block_size import BlockSizePolicy, make_block_size_policy
 from .cache_ops import keep_path, select_rows, shift_cache_right, shift_right, truncate_cache
+from .grouped_attention import grouped_attention
 from .output import DFlashGenerateOutput
 from .processing import BlockLogitsProcessor
 from .tree import (
@@ -304,6 +305,10 @@ class GenerationCall:
 
     def run(self) -> DFlashGenerateOutput:
         """Prefill, then draft / re-align / verify / commit cycles until every row has stopped."""
+        with grouped_attention(self.adapter.target):
+            return self._run()
+
+    def _run(self) -> DFlashGenerateOutput:
         state = self._prefill()
         while state.rows:
             block = max(2, min(self.policy.next_block_size(), self._remaining(state.rows) + 1))

@@ -1,0 +1,108 @@
+"""Grouped-query attention without key/value copies for the engine's multi-token forwards on CPU.
+
+Transformers' `sdpa` attention lets `scaled_dot_product_attention` read grouped key/value heads as they are
+(`enable_gqa`) only when no mask is given; with a mask, as in every verify over a cache (and every tree verify), it first
+copies the cached keys and values once per query head that shares them (`repeat_kv`). On CPU the kernel reads grouped
+heads with a mask just as well and gives the same bits, so the copies are pure cost, and they grow with the context
+(README, "Precision and the cost of a cycle on CPU", measures them). [`ATTENTION_NAME`] is `sdpa` with that one difference, and [`grouped_attention`] switches a target to it for
+the duration of a block (the engine's generation calls, its plain-decoding baseline in the bench, the cost profile);
+inside it, [`stock_attention`] runs Transformers' `sdpa` again (the cost profile times both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+import weakref
+from collections.abc import Iterator
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTENTION_NAME = "grouped_sdpa"  # no "flash" in it: Transformers would take it for a flash kernel
+
+_USERS: "weakref.WeakKeyDictionary[PreTrainedModel, int]" = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+_STOCK = contextvars.ContextVar("stock_sdpa", default=False)
+
+
+def _grouped_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """`sdpa`, except that a masked multi-row query on CPU attends to the grouped key/value heads directly."""
+    grouped = (
+        not _STOCK.get()
+        and query.device.type == "cpu"
+        and attention_mask is not None
+        and query.shape[2] > 1
+        and getattr(module, "num_key_value_groups", 1) > 1
+        and key.shape[-1] == value.shape[-1]
+        and kwargs.get("position_bias") is None
+        and kwargs.get("softcap") is None
+        and not kwargs.get("output_attentions", False)
+    )
+    if not grouped:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+    )
+    return output.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION_NAME, _grouped_sdpa)
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def uses_grouped_attention(target: PreTrainedModel) -> bool:
+    """Whether [`grouped_attention`] switches `target`: a CPU model in `sdpa` attention with grouped key/value heads."""
+    config = target.config
+    heads = config.num_attention_heads
+    return (
+        target.device.type == "cpu"
+        and getattr(config, "_attn_implementation", None) == "sdpa"
+        and getattr(config, "num_key_value_heads", heads) < heads
+    )
+
+
+@contextlib.contextmanager
+def grouped_attention(target: PreTrainedModel) -> Iterator[None]:
+    """Within this block a target that [`uses_grouped_attention`] runs [`ATTENTION_NAME`] (the same bits, fewer
+    copies); other targets are left alone. Blocks may overlap across threads: the target goes back to `sdpa` when the last
+    one ends (a concurrent forward of the target meanwhile also runs grouped attention, with the same bits)."""
+    with _LOCK:
+        users = _USERS.get(target, 0)
+        switch = users > 0 or uses_grouped_attention(target)
+        if switch:
+            if users == 0:
+                target.set_attn_implementation(ATTENTION_NAME)
+            _USERS[target] = users + 1
+    try:
+        yield
+    finally:
+        if switch:
+            with _LOCK:
+                _USERS[target] -= 1
+                if _USERS[target] == 0:
+                    del _USERS[target]
+                    if target.config._attn_implementation == ATTENTION_NAME:  # unless someone switched it meanwhile
+                        target.set_attn_implementation("sdpa")
+
+
+@contextlib.contextmanager
+def stock_attention() -> Iterator[None]:
+    """Within this block (in this thread or task) [`ATTENTION_NAME`] runs Transformers' `sdpa` unchanged."""
+    token = _STOCK.set(True)
+    try:
+        yield
+    finally:
+        _STOCK.reset(token)
