@@ -47,7 +47,7 @@ def _cycle_ms(model: PreTrainedModel, drafter: DFlashDraftModel, max_block: int,
     from .bench.profile import measure_costs
 
     counts = tuple(sorted({max_block, verify_tokens}))
-    costs = measure_costs(model, drafter, token_counts=counts, context_tokens=128, repeats=3, matmuls=False)
+    costs = measure_costs(model, drafter, token_counts=counts, context_tokens=128, repeats=3, comparisons=False)
     return costs["target_ms"][str(verify_tokens)] + costs["drafter_ms"].get(str(max_block), 0.0)
 
 

@@ -281,7 +281,8 @@ def test_cost_profile_measures_every_count_and_block():
     assert list(profile["stock_attention_ms"]) == ["2", "4", "8"] and profile["stock_attention_relative"]["8"] > 0
     assert profile["drafter_matmul_relative"]["4"] == pytest.approx(profile["drafter_matmul_ms"]["4"] / step)
     assert "matmul_ms" not in measure_costs(target, drafter, (2, 4), context_tokens=16, repeats=1)  # no 1-token step
-    assert "matmul_ms" not in measure_costs(target, drafter, (1, 4), context_tokens=16, repeats=1, matmuls=False)
+    bare = measure_costs(target, drafter, (1, 4), context_tokens=16, repeats=1, comparisons=False)
+    assert "matmul_ms" not in bare and "stock_attention_ms" not in bare
     bf16 = measure_costs(_bf16_target("llama"), drafter.to(torch.bfloat16), (1, 4), context_tokens=16, repeats=1)
     assert bf16["dtype"] == "bfloat16" and list(bf16["drafter_ms"]) == ["4"]
     assert bf16["row_exact"] and "stock_attention_ms" not in bf16  # row-exact attention is left alone

@@ -157,7 +157,7 @@ def measure_costs(
     repeats: int = 5,
     seed: int = 0,
     row_exact_verify: bool = True,
-    matmuls: bool = True,
+    comparisons: bool = True,
 ) -> dict[str, Any]:
     """Time the target's forward for each of `token_counts` new tokens and the drafter's for each block size.
 
@@ -167,13 +167,13 @@ def measure_costs(
     drafter's, relative to the same 1-token step). `row_exact_verify=False` times stock multi-token forwards instead
     (what a reduced-precision verify would cost without exactness; the engine never runs that).
 
-    With `matmuls` (and a 1-token count), also `matmul_ms` (the target's matrix products alone on k rows, see the
-    module docstring) and `floor_relative`: the cost of a k-token forward, relative to the step, if everything but
-    those products cost what it costs for one token, `(step - matmul(1) + matmul(k)) / step`; and
-    `drafter_matmul_ms` / `drafter_matmul_relative`: the drafter's linear layers and draft-vocabulary head alone on B
-    rows (its whole forward can cost no less). Multi-token target forwards run in the engine's grouped-query attention
-    where it applies (`engine.grouped_attention`); then `stock_attention_ms` / `stock_attention_relative` also time them in
-    Transformers' `sdpa`, in the same rounds.
+    Multi-token target forwards run in the engine's grouped-query attention where it applies
+    (`engine.grouped_attention`). With `comparisons` they are also timed in Transformers' `sdpa`, in the same rounds
+    (`stock_attention_ms` / `stock_attention_relative`, where grouped attention applies), and, given a 1-token count,
+    the matrix products alone (see the module docstring): `matmul_ms` and `floor_relative`, the cost of a k-token
+    forward relative to the step if everything but those products cost what it costs for one token,
+    `(step - matmul(1) + matmul(k)) / step`; and `drafter_matmul_ms` / `drafter_matmul_relative`, the drafter's linear
+    layers and draft-vocabulary head alone on B rows (its whole forward can cost no less).
     """
     if context_tokens < 1 or repeats < 1 or not token_counts or min(token_counts) < 1:
         raise ValueError("context_tokens, repeats and every token count must be >= 1, with at least one count.")
@@ -186,14 +186,14 @@ def measure_costs(
     cache = DynamicCache()
     prefill = adapter.forward(context, None, torch.arange(context_tokens, device=device)[None], cache)
     block_sizes = [b for b in token_counts if 2 <= b <= int(drafter.config.block_size)]
-    grouped = uses_grouped_attention(target)
+    stock = comparisons and uses_grouped_attention(target)
     groups = {
-        "target": _target_calls(adapter, cache, context_tokens, token_counts, exact, generator, grouped),
+        "target": _target_calls(adapter, cache, context_tokens, token_counts, exact, generator, stock),
         "drafter": _drafter_calls(adapter, drafter, context, prefill.context_hidden_states, block_sizes),
         "matmul": {},
         "drafter_matmul": {},
     }
-    if matmuls and 1 in token_counts:
+    if comparisons and 1 in token_counts:
         draft_ids = getattr(drafter, "draft_token_ids", None)
         draft_ids = None if draft_ids is None else draft_ids.to(device)
         hidden = adapter.hidden_size
@@ -236,13 +236,21 @@ def measure_costs(
 
 
 def plot_profiles(profiles: list[dict[str, Any]], axes) -> None:
-    """Cost relative to a 1-token step vs tokens per forward: a target line, its matmul floor where measured and a
-    drafter line per profile."""
+    """Cost relative to a 1-token step vs tokens per forward: per profile a target line (and one in Transformers'
+    `sdpa` and the matmul floor, where measured) and a drafter line (and its matmuls alone)."""
     for profile in profiles:
         counts = [int(k) for k in profile["target_relative"]]
         line = axes.plot(
             counts, list(profile["target_relative"].values()), marker="o", label=f"target, {profile['dtype']}"
         )
+        if profile.get("stock_attention_relative"):
+            axes.plot(
+                [int(k) for k in profile["stock_attention_relative"]],
+                list(profile["stock_attention_relative"].values()),
+                linestyle="-.",
+                color=line[0].get_color(),
+                label=f"target in Transformers' sdpa, {profile['dtype']}",
+            )
         if profile.get("floor_relative"):
             axes.plot(
                 [int(k) for k in profile["floor_relative"]],
