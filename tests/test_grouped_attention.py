@@ -127,3 +127,17 @@ def test_engine_calls_run_in_grouped_attention_and_stay_exact(sdpa_calls):
     assert torch.equal(output, expected)
     assert seen and set(seen) == {ATTENTION_NAME} and target.config._attn_implementation == "sdpa"
     assert any(call[3] and call[4] and call[2] > 1 for call in sdpa_calls)  # masked blocks read the groups directly
+
+
+def test_padded_batches_draft_in_grouped_attention_too(sdpa_calls):
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=4)
+    seen: list[str] = []
+    drafter.register_forward_hook(lambda module, args, out: seen.append(drafter.config._attn_implementation))
+    prompts = torch.tensor([[0, 0, 0, 1, 5, 9, 12, 5, 9], [1, 7, 7, 3, 30, 31, 7, 7, 40]])
+    mask = (prompts != 0).long()
+    mask[1, 0] = 1
+    expected = target.generate(prompts, attention_mask=mask, max_new_tokens=16, do_sample=False, min_new_tokens=16)
+    output = generate(target, drafter, prompts, attention_mask=mask, max_new_tokens=16, min_new_tokens=16)
+    assert torch.equal(output, expected)
+    assert seen and set(seen) == {ATTENTION_NAME} and drafter.config._attn_implementation == "sdpa"

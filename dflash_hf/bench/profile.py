@@ -39,19 +39,25 @@ DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 16)
 Call = Callable[[], None]
 
 
-def _interleaved_medians(calls: dict[int, Call], repeats: int, device: torch.device) -> dict[int, float]:
-    """Median wall time in ms of each call over `repeats` rounds that run every call once, in turn, after one untimed
-    round: a shared machine's drift between rounds then touches every call alike, so their ratios hold. (Each kind of
-    call gets its own rounds: mixed into the target's rounds, the first drafter call of each round cost several times
-    a decode loop's draft on an AVX2 EPYC.)"""
-    times: dict[int, list[float]] = {key: [] for key in calls}
+def _interleaved_medians(
+    calls: dict[tuple[str, int], Call], repeats: int, device: torch.device
+) -> dict[str, dict[int, float]]:
+    """Median wall time in ms of each call, keyed `(kind, count)`, over `repeats` rounds that run every call once, in
+    turn, after one untimed round: a shared machine's drift between rounds then touches every call alike, so their
+    ratios hold. Returns `{kind: {count: ms}}`. (The target's calls and the drafter's get separate rounds: mixed into
+    the target's rounds, the first drafter call of each round cost several times a decode loop's draft on an AVX2
+    EPYC.)"""
+    times: dict[tuple[str, int], list[float]] = {key: [] for key in calls}
     for round_index in range(repeats + 1):
         for key, call in calls.items():
             with Stopwatch(device) as watch:
                 call()
             if round_index:
                 times[key].append(1000.0 * watch.total)
-    return {key: statistics.median(values) for key, values in times.items()}
+    medians: dict[str, dict[int, float]] = {}
+    for (kind, count), values in times.items():
+        medians.setdefault(kind, {})[count] = statistics.median(values)
+    return medians
 
 
 def _target_calls(
@@ -61,13 +67,13 @@ def _target_calls(
     token_counts: tuple[int, ...],
     exact: bool,
     generator: torch.Generator,
-    compare_stock_attention: bool,
+    stock: bool = False,
 ) -> dict[int, Call]:
     """A target forward of each token count (with logits for every new token) on the cached context, rolled back;
-    with `compare_stock_attention`, also each multi-token forward in Transformers' `sdpa` (keyed by minus its count)."""
+    `stock`: in Transformers' own `sdpa` attention (`engine.grouped_attention.stock_attention`)."""
     device = adapter.target.device
 
-    def target_forward(count: int, stock: bool = False) -> None:
+    def target_forward(count: int) -> None:
         ids = torch.randint(0, adapter.vocab_size, (1, count), generator=generator).to(device)
         positions = torch.arange(context_tokens, context_tokens + count, device=device)[None]
         with row_exact.verification(exact), stock_attention() if stock else contextlib.nullcontext():
@@ -75,10 +81,7 @@ def _target_calls(
             adapter.logits(step.last_hidden_state)
         truncate_cache(cache, context_tokens)
 
-    calls = {count: functools.partial(target_forward, count) for count in token_counts}
-    if compare_stock_attention:
-        calls |= {-count: functools.partial(target_forward, count, True) for count in token_counts if count > 1}
-    return calls
+    return {count: functools.partial(target_forward, count) for count in token_counts}
 
 
 def decoder_linears(model: PreTrainedModel) -> list[nn.Linear]:
@@ -186,25 +189,28 @@ def measure_costs(
     cache = DynamicCache()
     prefill = adapter.forward(context, None, torch.arange(context_tokens, device=device)[None], cache)
     block_sizes = [b for b in token_counts if 2 <= b <= int(drafter.config.block_size)]
-    stock = comparisons and uses_grouped_attention(target)
-    groups = {
-        "target": _target_calls(adapter, cache, context_tokens, token_counts, exact, generator, stock),
-        "drafter": _drafter_calls(adapter, drafter, context, prefill.context_hidden_states, block_sizes),
-        "matmul": {},
-        "drafter_matmul": {},
-    }
-    if comparisons and 1 in token_counts:
+    products = comparisons and 1 in token_counts  # the matmul floor needs a 1-token step
+    kinds = {"target": _target_calls(adapter, cache, context_tokens, token_counts, exact, generator)}
+    if comparisons and uses_grouped_attention(target):
+        multi_token = tuple(k for k in token_counts if k > 1)
+        kinds["stock"] = _target_calls(adapter, cache, context_tokens, multi_token, exact, generator, stock=True)
+    if products:
+        kinds["matmul"] = _matmul_calls(target, adapter.logits, adapter.hidden_size, list(token_counts), generator)
+    draft_calls = {"drafter": _drafter_calls(adapter, drafter, context, prefill.context_hidden_states, block_sizes)}
+    if products:
         draft_ids = getattr(drafter, "draft_token_ids", None)
-        draft_ids = None if draft_ids is None else draft_ids.to(device)
-        hidden = adapter.hidden_size
-        groups["matmul"] = _matmul_calls(target, adapter.logits, hidden, list(token_counts), generator)
-        draft_logits = functools.partial(adapter.logits, token_ids=draft_ids)
-        groups["drafter_matmul"] = _matmul_calls(drafter, draft_logits, hidden, block_sizes, generator)
-    with grouped_attention(target):  # the attention the engine runs its multi-token forwards in
-        target_ms, drafter_ms, matmul_ms, drafter_matmul_ms = (
-            _interleaved_medians(calls, repeats, device) for calls in groups.values()
+        draft_logits = functools.partial(adapter.logits, token_ids=None if draft_ids is None else draft_ids.to(device))
+        draft_calls["drafter_matmul"] = _matmul_calls(
+            drafter, draft_logits, adapter.hidden_size, block_sizes, generator
         )
-    stock_ms = {-k: target_ms.pop(k) for k in list(target_ms) if k < 0}
+    rounds = [{(kind, k): call for kind, calls in kinds.items() for k, call in calls.items()}]
+    rounds += [{(kind, b): call for b, call in calls.items()} for kind, calls in draft_calls.items()]
+    measured: dict[str, dict[int, float]] = {}
+    with grouped_attention(target):  # the attention the engine runs its multi-token forwards in
+        for calls in rounds:  # the target's forwards and products in the same rounds, so the floor pairs with them
+            measured |= _interleaved_medians(calls, repeats, device)
+    target_ms, drafter_ms = measured["target"], measured.get("drafter", {})
+    stock_ms, matmul_ms, drafter_matmul_ms = (measured.get(kind, {}) for kind in ("stock", "matmul", "drafter_matmul"))
     step_ms = target_ms.get(1) or min(target_ms.values())
     floor = {}
     if matmul_ms:

@@ -305,7 +305,7 @@ class GenerationCall:
 
     def run(self) -> DFlashGenerateOutput:
         """Prefill, then draft / re-align / verify / commit cycles until every row has stopped."""
-        with grouped_attention(self.adapter.target):
+        with grouped_attention(self.adapter.target), grouped_attention(self.drafter):
             return self._run()
 
     def _run(self) -> DFlashGenerateOutput:

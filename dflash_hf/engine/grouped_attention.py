@@ -1,12 +1,14 @@
 """Grouped-query attention without key/value copies for the engine's multi-token forwards on CPU.
 
 Transformers' `sdpa` attention lets `scaled_dot_product_attention` read grouped key/value heads as they are
-(`enable_gqa`) only when no mask is given; with a mask, as in every verify over a cache (and every tree verify), it first
-copies the cached keys and values once per query head that shares them (`repeat_kv`). On CPU the kernel reads grouped
-heads with a mask just as well and gives the same bits, so the copies are pure cost, and they grow with the context
-(README, "Precision and the cost of a cycle on CPU", measures them). [`ATTENTION_NAME`] is `sdpa` with that one difference, and [`grouped_attention`] switches a target to it for
-the duration of a block (the engine's generation calls, its plain-decoding baseline in the bench, the cost profile);
-inside it, [`stock_attention`] runs Transformers' `sdpa` again (the cost profile times both).
+(`enable_gqa`) only when no mask is given; with a mask, as in every verify over a cache (and every tree verify), it
+first copies the cached keys and values once per query head that shares them (`repeat_kv`). On CPU the kernel reads
+grouped heads with a mask just as well and gives the same bits, so the copies are pure cost, and they grow with the
+context (README, "Precision and the cost of a cycle on CPU", measures them). [`ATTENTION_NAME`] is `sdpa` with that
+one difference, and [`grouped_attention`] switches a model to it for the duration of a block: the engine's generation
+calls (the target, and the drafter, whose padded batches attend with a mask too), the bench's plain-decoding baseline
+with the engine's kernels, the cost profile. Inside it, [`stock_attention`] runs Transformers' `sdpa` again (the cost
+profile times both).
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
 def uses_grouped_attention(target: PreTrainedModel) -> bool:
-    """Whether [`grouped_attention`] switches `target`: a CPU model in `sdpa` attention with grouped key/value heads."""
+    """Whether [`grouped_attention`] switches `target` (any model): on CPU, in `sdpa` attention, with grouped key/value
+    heads."""
     config = target.config
     heads = config.num_attention_heads
     return (
@@ -76,9 +79,9 @@ def uses_grouped_attention(target: PreTrainedModel) -> bool:
 
 @contextlib.contextmanager
 def grouped_attention(target: PreTrainedModel) -> Iterator[None]:
-    """Within this block a target that [`uses_grouped_attention`] runs [`ATTENTION_NAME`] (the same bits, fewer
-    copies); other targets are left alone. Blocks may overlap across threads: the target goes back to `sdpa` when the last
-    one ends (a concurrent forward of the target meanwhile also runs grouped attention, with the same bits)."""
+    """Within this block a model that [`uses_grouped_attention`] runs [`ATTENTION_NAME`] (the same bits, fewer
+    copies); other models are left alone. Blocks may overlap across threads: the model goes back to `sdpa` when the
+    last one ends (a concurrent forward of the model meanwhile also runs grouped attention, with the same bits)."""
     with _LOCK:
         users = _USERS.get(target, 0)
         switch = users > 0 or uses_grouped_attention(target)
