@@ -34,11 +34,18 @@ def sdpa_calls(monkeypatch):
     return calls
 
 
-def _both_ways(target, forward) -> tuple[torch.Tensor, torch.Tensor]:
+def _assert_same_bits_both_ways(target, cache: DynamicCache, context: int, block: torch.Tensor, **kwargs) -> None:
+    """A forward of `block` on the cached context (rolled back after) gives the same logits in `sdpa` and grouped."""
+
+    def forward() -> torch.Tensor:
+        logits = target(block, cache=cache, use_cache=True, **kwargs).logits
+        truncate_cache(cache, context)
+        return logits
+
     stock = forward()
     with grouped_attention(target):
         grouped = forward()
-    return stock, grouped
+    assert torch.equal(stock, grouped)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -55,30 +62,15 @@ def test_same_bits_as_sdpa_for_blocks_padded_batches_and_trees(family, dtype, sd
         target(ids, attention_mask=padding, cache=cache, use_cache=True)
         block = torch.randint(3, VOCAB, (2, 5), generator=generator)
         block_mask = torch.cat([padding, torch.ones_like(block)], dim=1)
-
-        def block_forward() -> torch.Tensor:
-            logits = target(block, attention_mask=block_mask, cache=cache, use_cache=True).logits
-            truncate_cache(cache, context)
-            return logits
-
-        stock, grouped = _both_ways(target, block_forward)
-        assert torch.equal(stock, grouped)
+        _assert_same_bits_both_ways(target, cache, context, block, attention_mask=block_mask)
         # a tree: node 0 the anchor, nodes 1-2 one branch, nodes 3-4 another, both from the anchor
         sees = torch.eye(5, dtype=torch.bool)
         sees[:, 0] = True
         sees[2, 1] = sees[4, 3] = True
-        starts = padding.sum(-1, keepdim=True)
-        positions = starts + torch.tensor([0, 1, 2, 1, 2])
+        positions = padding.sum(-1, keepdim=True) + torch.tensor([0, 1, 2, 1, 2])
         window = GEMMA_SLIDING_WINDOW if family == "gemma3" else None
         mask = tree_attention_mask(padding, sees[None].expand(2, -1, -1), dtype, positions, window)
-
-        def tree_forward() -> torch.Tensor:
-            logits = target(block, attention_mask=mask, position_ids=positions, cache=cache).logits
-            truncate_cache(cache, context)
-            return logits
-
-        stock, grouped = _both_ways(target, tree_forward)
-        assert torch.equal(stock, grouped)
+        _assert_same_bits_both_ways(target, cache, context, block, attention_mask=mask, position_ids=positions)
     heads, kv_heads = target.config.num_attention_heads, target.config.num_key_value_heads
     masked_blocks = [call for call in sdpa_calls if call[2] == 5 and call[3]]
     # stock sdpa attends masked blocks over key/value heads copied per query head; grouped attention over the groups

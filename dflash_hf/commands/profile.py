@@ -84,45 +84,26 @@ def run(args: argparse.Namespace) -> int:
         del target, drafter
     for profile in profiles:
         print(f"{profile['precision']}:")
-        print(
-            "  target  "
-            + "  ".join(
-                f"{k} tok {v:6.1f} ms ({profile['target_relative'][k]:.2f}x)" for k, v in profile["target_ms"].items()
-            )
-        )
+        print(_cost_line("target", profile, "target_ms", "target_relative", "{} tok"))
         if "stock_attention_ms" in profile:
-            print(
-                "  target in Transformers' sdpa "
-                + "  ".join(
-                    f"{k} tok {v:6.1f} ms ({profile['stock_attention_relative'][k]:.2f}x)"
-                    for k, v in profile["stock_attention_ms"].items()
-                )
-            )
+            print(_cost_line("target in Transformers' sdpa", profile, "stock_attention_ms", "stock_attention_relative"))
         if "floor_relative" in profile:
-            print(
-                "  matmuls "
-                + "  ".join(
-                    f"{k} tok {v:6.1f} ms (floor {profile['floor_relative'][k]:.2f}x)"
-                    for k, v in profile["matmul_ms"].items()
-                )
-                + "  drafter "
-                + "  ".join(
-                    f"B={b} {v:5.1f} ms ({profile['drafter_matmul_relative'][b]:.2f}x)"
-                    for b, v in profile["drafter_matmul_ms"].items()
-                )
-            )
-        print(
-            "  drafter "
-            + "  ".join(
-                f"B={b} {v:6.1f} ms ({profile['drafter_relative'][b]:.2f}x)" for b, v in profile["drafter_ms"].items()
-            )
-        )
+            print(_cost_line("matmuls alone (floor)", profile, "matmul_ms", "floor_relative"))
+            print(_cost_line("drafter matmuls alone", profile, "drafter_matmul_ms", "drafter_matmul_relative", "B={}"))
+        print(_cost_line("drafter", profile, "drafter_ms", "drafter_relative", "B={}"))
     args.out.mkdir(parents=True, exist_ok=True)
     document = {"hardware": hardware_info(device), "drafter": str(drafter_dir), "profiles": profiles}
     atomic_write_text(args.out / "profile.json", json.dumps(document, indent=1) + "\n")
     _write_plot(profiles, args.out / "profile.png")
     print(f"wrote {args.out / 'profile.json'}, {args.out / 'profile.png'}")
     return 0
+
+
+def _cost_line(label: str, profile: dict, ms_key: str, relative_key: str, name: str = "{} tok") -> str:
+    """One printed line of the profile: each count's (or block size's) ms and its cost relative to a 1-token step."""
+    return f"  {label}: " + "  ".join(
+        f"{name.format(k)} {v:6.1f} ms ({profile[relative_key][k]:.2f}x)" for k, v in profile[ms_key].items()
+    )
 
 
 def _write_plot(profiles: list[dict], path: Path) -> None:
