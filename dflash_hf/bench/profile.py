@@ -209,36 +209,32 @@ def measure_costs(
     with grouped_attention(target):  # the attention the engine runs its multi-token forwards in
         for calls in rounds:  # the target's forwards and products in the same rounds, so the floor pairs with them
             measured |= _interleaved_medians(calls, repeats, device)
-    target_ms, drafter_ms = measured["target"], measured.get("drafter", {})
-    stock_ms, matmul_ms, drafter_matmul_ms = (measured.get(kind, {}) for kind in ("stock", "matmul", "drafter_matmul"))
-    step_ms = target_ms.get(1) or min(target_ms.values())
-    floor = {}
-    if matmul_ms:
-        floor = {
-            "matmul_ms": {str(k): v for k, v in matmul_ms.items()},
-            "floor_relative": {str(k): (step_ms - matmul_ms[1] + v) / step_ms for k, v in matmul_ms.items()},
-            "drafter_matmul_ms": {str(b): v for b, v in drafter_matmul_ms.items()},
-            "drafter_matmul_relative": {str(b): v / step_ms for b, v in drafter_matmul_ms.items()},
-        }
-    return {
+    document = {
         "dtype": str(target.dtype).replace("torch.", ""),
         "context_tokens": context_tokens,
         "repeats": repeats,
         "row_exact": bool(exact),
-        "target_ms": {str(k): v for k, v in target_ms.items()},
-        "target_relative": {str(k): v / step_ms for k, v in target_ms.items()},
-        "drafter_ms": {str(k): v for k, v in drafter_ms.items()},
-        "drafter_relative": {str(k): v / step_ms for k, v in drafter_ms.items()},
-        **floor,
-        **(
-            {
-                "stock_attention_ms": {str(k): v for k, v in stock_ms.items()},
-                "stock_attention_relative": {str(k): v / step_ms for k, v in stock_ms.items()},
-            }
-            if stock_ms
-            else {}
-        ),
     }
+    return document | _relative_costs(measured)
+
+
+def _relative_costs(measured: dict[str, dict[int, float]]) -> dict[str, dict[str, float]]:
+    """[`measure_costs`]'s timings as JSON: ms per count and relative to the 1-token step, per kind of call."""
+    step_ms = measured["target"].get(1) or min(measured["target"].values())
+
+    def costs(kind: str, ms_key: str, relative_key: str) -> dict[str, dict[str, float]]:
+        ms = measured.get(kind, {})
+        return {ms_key: {str(k): v for k, v in ms.items()}, relative_key: {str(k): v / step_ms for k, v in ms.items()}}
+
+    result = costs("target", "target_ms", "target_relative") | costs("drafter", "drafter_ms", "drafter_relative")
+    if "matmul" in measured:
+        matmul_ms = measured["matmul"]
+        result["matmul_ms"] = {str(k): v for k, v in matmul_ms.items()}
+        result["floor_relative"] = {str(k): (step_ms - matmul_ms[1] + v) / step_ms for k, v in matmul_ms.items()}
+        result |= costs("drafter_matmul", "drafter_matmul_ms", "drafter_matmul_relative")
+    if measured.get("stock"):
+        result |= costs("stock", "stock_attention_ms", "stock_attention_relative")
+    return result
 
 
 def plot_profiles(profiles: list[dict[str, Any]], axes) -> None:
