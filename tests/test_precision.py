@@ -85,7 +85,12 @@ def test_row_exact_attention_is_sdpa_outside_verification():
 
 
 def test_quirky_linear_is_detected_and_recomputed_row_by_row():
-    """A linear whose multi-row kernel rounds differently breaks block verification until install hooks it."""
+    """A linear whose multi-row kernel rounds differently breaks block verification until install hooks it.
+
+    What `install` guarantees: every such linear is hooked and afterwards a block's rows equal decode steps bit for
+    bit. Whether an ordinary linear is hooked as well depends on the CPU's bf16 kernels (on some hosts their multi-row
+    kernel rounds differently too), so only the planted quirk's hooks are asserted.
+    """
     target = _bf16_target("llama")
     _with_quirky_down_proj(target)
     linear = target.get_decoder().layers[0].mlp.down_proj
@@ -94,7 +99,6 @@ def test_quirky_linear_is_detected_and_recomputed_row_by_row():
     assert not row_exact.block_rows_match_decode(target, 4)  # attention alone does not fix the linear
     assert row_exact.install(target, 4)
     assert all(getattr(layer.mlp.down_proj, "_row_exact_hooked", False) for layer in target.get_decoder().layers)
-    assert not getattr(target.get_decoder().layers[0].mlp.up_proj, "_row_exact_hooked", False)
     assert row_exact.block_rows_match_decode(target, 4, seed=5)
 
 
