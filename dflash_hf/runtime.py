@@ -113,11 +113,6 @@ def inference_dtype(name: str | torch.dtype, device: str | torch.device) -> tupl
 MKL_MODES = ("auto", "cnr", "default")
 
 
-def cpu_vendor() -> str | None:
-    """The CPU vendor id from `/proc/cpuinfo` (`AuthenticAMD`, `GenuineIntel`, ...), or `None` where unknown."""
-    return _cpuinfo_field("vendor_id")
-
-
 def mkl_mode() -> str:
     """How MKL runs this process's float32 matmuls, as recorded with measurements."""
     if not torch.backends.mkl.is_available():
@@ -126,19 +121,42 @@ def mkl_mode() -> str:
     return "MKL default code path" if value is None else f"MKL_CBWR={value}"
 
 
-def select_mkl_mode(choice: str = "auto") -> str:
-    """Choose MKL's code path for the few-row float32 matmuls of decoding; returns what `mkl_mode` then reports.
+_mkl_choice: str | None = None  # why `select_mkl_mode` left MKL as `mkl_mode` reports it
 
-    On AMD CPUs MKL's default code path makes a float32 matmul of a few rows (a block verify, a draft) cost far
-    more than a 1-row one; its conditional-numerical-reproducibility mode (`MKL_CBWR=AUTO`) does not (README,
-    "Precision and kernels on CPU", has the measured costs). `auto` sets that mode on AMD CPUs, `cnr` everywhere,
-    `default` nowhere; a `MKL_CBWR` already in the environment is kept. MKL reads it once, at its first matmul, so this only
-    takes effect when called before any (the CLI calls it first; scripts: first thing, or set `MKL_CBWR=AUTO` in
-    the environment).
+
+def mkl_choice() -> str | None:
+    """Why [`select_mkl_mode`] chose the code path `mkl_mode` reports (`None` before it ran in this process)."""
+    return _mkl_choice
+
+
+def select_mkl_mode(choice: str = "auto", threads: int | None = None) -> str:
+    """Choose MKL's code path for the few-row float32 matmuls of decoding; returns what `mkl_mode` then reports and
+    why.
+
+    `auto` takes the code path measured fastest on this machine for decoding's matmuls (`dflash_hf.mkl_choice`:
+    MKL's default and its `MKL_CBWR` modes, timed once per machine with `threads` threads, the verdict kept in the
+    dflash-hf cache); `cnr` sets `MKL_CBWR=AUTO`; `default` leaves MKL alone. A `MKL_CBWR` already in the
+    environment is kept. MKL reads it once, at its first matmul, so this only takes effect when called before any
+    (the CLI calls it first; scripts: first thing, or set `MKL_CBWR` in the environment).
     """
+    global _mkl_choice
     if choice not in MKL_MODES:
         raise ValueError(f"Unknown MKL mode {choice!r}: use {', '.join(MKL_MODES)}.")
-    wanted = choice == "cnr" or (choice == "auto" and cpu_vendor() == "AuthenticAMD")
-    if wanted and torch.backends.mkl.is_available() and "MKL_CBWR" not in os.environ:
-        os.environ["MKL_CBWR"] = "AUTO"
-    return mkl_mode()
+    if not torch.backends.mkl.is_available():
+        reason = "this torch build has no MKL"
+    elif "MKL_CBWR" in os.environ:
+        reason = "set in the environment"
+    elif choice == "auto":
+        from . import mkl_choice as measured
+        from .targets import cache_dir
+
+        mode, verdict = measured.measured_mode(threads or torch.get_num_threads(), cache_dir())
+        if mode != measured.DEFAULT:
+            os.environ["MKL_CBWR"] = mode
+        reason = measured.describe(verdict)
+    else:
+        if choice == "cnr":
+            os.environ["MKL_CBWR"] = "AUTO"
+        reason = f"--mkl-mode {choice}"
+    _mkl_choice = reason
+    return f"{mkl_mode()} ({reason})"

@@ -41,6 +41,19 @@ def _restore_mkl_mode():
         os.environ["MKL_CBWR"] = before
 
 
+@pytest.fixture(autouse=True)
+def _measured_mkl_mode(monkeypatch):
+    """`--mkl-mode auto` times MKL's code paths in worker processes once per machine (`dflash_hf.mkl_choice`): tests
+    stand in a measurement where MKL's default path is fastest, so no command spends seconds timing; the real
+    measurement has its own tests (tests/test_precision.py)."""
+    from dflash_hf import mkl_choice
+
+    def measure(modes, threads, *args, **kwargs):
+        return {mode: {"1": 1.0, "4": 2.0, "8": 3.0} for mode in modes}
+
+    monkeypatch.setattr(mkl_choice, "measure", measure)
+
+
 VOCAB = 64
 COMMON = dict(
     vocab_size=VOCAB,

@@ -11,7 +11,7 @@ import torch
 from conftest import GEMMA_SLIDING_WINDOW, make_drafter, make_target
 from test_targets import make_llama, save_tiny_target
 
-from dflash_hf import DFlashConfig, DFlashDraftModel, cli, generate, runtime, targets
+from dflash_hf import DFlashConfig, DFlashDraftModel, cli, generate, mkl_choice, runtime, targets
 from dflash_hf import precision as precision_module
 from dflash_hf.bench import profile as profile_module
 from dflash_hf.bench.profile import measure_costs
@@ -19,6 +19,7 @@ from dflash_hf.commands import bench as bench_command
 from dflash_hf.commands import generate as generate_command
 from dflash_hf.commands import load_models
 from dflash_hf.engine import row_exact
+from dflash_hf.mkl_choice import measure as real_measure  # before the autouse stand-in replaces it
 
 PROMPTS = [[1, 5, 9, 12, 5, 9, 3, 3], [1, 7, 7, 3, 30, 31, 7, 7, 40, 41, 42]]
 
@@ -136,34 +137,105 @@ def test_auto_dtype_follows_the_machine(monkeypatch, device, feature, expected):
     assert runtime.inference_dtype("bfloat16", device)[0] == torch.bfloat16
 
 
+def _fake_timings(fastest: str):
+    """A stand-in measurement in which `fastest` wins (every other mode costs twice as much at 4 and 8 rows)."""
+
+    def measure(modes, threads, *args, **kwargs):
+        return {m: {"1": 1.0, "4": 1.5 if m == fastest else 3.0, "8": 2.0 if m == fastest else 4.0} for m in modes}
+
+    return measure
+
+
+HOST_FLAGS = {  # the CPU kinds this project runs on, by the /proc/cpuinfo flags `mkl_choice.candidates` reads
+    "amd-epyc-avx2": "fma avx2",
+    "amd-epyc-avx512-bf16": "avx2 avx512f avx512_bf16",
+    "intel-xeon-amx": "avx2 avx512f avx512_bf16 amx_bf16",
+    "intel-xeon-avx512": "avx2 avx512f avx512_vnni",
+}
+
+
+@pytest.fixture(params=sorted(HOST_FLAGS))
+def host(request, monkeypatch):
+    """Each kind of host, faked, so every branch of the MKL choice runs on every machine."""
+    flags = HOST_FLAGS[request.param]
+    real_field = runtime._cpuinfo_field
+    monkeypatch.setattr(runtime, "_cpuinfo_field", lambda name: flags if name == "flags" else real_field(name))
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: True)
+    monkeypatch.setenv("DFLASH_HF_CACHE", str(request.getfixturevalue("tmp_path")))
+    return request.param
+
+
 @pytest.mark.parametrize(
-    ("choice", "vendor", "preset", "expected"),
+    ("choice", "fastest", "preset", "expected"),
     [
-        ("auto", "AuthenticAMD", None, "AUTO"),
-        ("auto", "GenuineIntel", None, None),
-        ("auto", None, None, None),
-        ("cnr", "GenuineIntel", None, "AUTO"),
-        ("default", "AuthenticAMD", None, None),
-        ("auto", "AuthenticAMD", "AVX2", "AVX2"),  # a mode set in the environment is kept
-        ("default", "GenuineIntel", "AVX2", "AVX2"),
+        ("auto", "AUTO", None, "AUTO"),
+        ("auto", "default", None, None),
+        ("auto", "AVX2", None, "AVX2"),
+        ("cnr", "default", None, "AUTO"),
+        ("default", "AUTO", None, None),
+        ("auto", "AUTO", "AVX2", "AVX2"),  # a mode set in the environment is kept
+        ("default", "default", "AVX2", "AVX2"),
     ],
 )
-def test_mkl_mode_follows_the_cpu_and_the_environment(monkeypatch, choice, vendor, preset, expected):
-    monkeypatch.setattr(runtime, "cpu_vendor", lambda: vendor)
-    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: True)
+def test_mkl_mode_follows_the_measurement_and_the_environment(host, monkeypatch, choice, fastest, preset, expected):
+    monkeypatch.setattr(mkl_choice, "measure", _fake_timings(fastest))
     if preset is None:
         monkeypatch.delenv("MKL_CBWR", raising=False)
     else:
         monkeypatch.setenv("MKL_CBWR", preset)
-    reported = runtime.select_mkl_mode(choice)
+    reported = runtime.select_mkl_mode(choice, threads=2)
     assert os.environ.get("MKL_CBWR") == expected
-    assert reported == runtime.mkl_mode() == ("MKL default code path" if expected is None else f"MKL_CBWR={expected}")
+    assert reported == f"{runtime.mkl_mode()} ({runtime.mkl_choice()})"
+    assert runtime.mkl_mode() == ("MKL default code path" if expected is None else f"MKL_CBWR={expected}")
+    if preset is not None:
+        assert runtime.mkl_choice() == "set in the environment"
+    elif choice == "auto":
+        assert runtime.mkl_choice().startswith("auto: fastest of MKL's code paths measured on this machine")
+        assert f"{fastest} " in runtime.mkl_choice()
+    else:
+        assert runtime.mkl_choice() == f"--mkl-mode {choice}"
+
+
+def test_mkl_candidates_follow_the_cpu(host):
+    modes = mkl_choice.candidates()
+    assert modes[:2] == ("default", "AUTO")
+    assert ("AVX2" in modes) == ("avx2" in HOST_FLAGS[host])
+    assert ("AVX512" in modes) == ("avx512f" in HOST_FLAGS[host])
+
+
+def test_measured_mkl_verdict_is_kept_per_machine_and_thread_count(host, monkeypatch, tmp_path):
+    calls = []
+    fake = _fake_timings("AUTO")
+    monkeypatch.setattr(
+        mkl_choice, "measure", lambda modes, threads, **kw: calls.append(threads) or fake(modes, threads)
+    )
+    assert mkl_choice.measured_mode(2, tmp_path)[0] == "AUTO"
+    assert mkl_choice.measured_mode(2, tmp_path)[0] == "AUTO" and calls == [2]  # read back, not measured again
+    stored = json.loads((tmp_path / mkl_choice.VERDICTS_FILE).read_text())
+    (verdict,) = stored.values()
+    assert set(verdict["ms_by_rows"]) == set(mkl_choice.candidates()) and verdict["measured"]
+    assert mkl_choice.measured_mode(1, tmp_path)[0] == "AUTO" and calls == [2, 1]  # another thread count
+    (tmp_path / mkl_choice.VERDICTS_FILE).write_text("[1, 2")  # a damaged file is measured anew
+    assert mkl_choice.measured_mode(2, tmp_path)[0] == "AUTO" and calls == [2, 1, 2]
+
+
+def test_mkl_fastest_prefers_mkls_default_on_ties():
+    same = {"1": 1.0, "4": 2.0}
+    assert mkl_choice.fastest({"AUTO": same, "default": same, "AVX2": same}) == "default"
+    assert mkl_choice.fastest({"AUTO": {"1": 1.0, "4": 1.5}, "default": same}) == "AUTO"
+
+
+def test_mkl_timing_workers_time_each_mode_in_its_own_process():
+    """The real measurement (tiny shapes): one worker per mode, every row count timed."""
+    timings = real_measure(("default", "AUTO"), threads=1, shapes=((8, 16),), rows=(1, 2), rounds=2, repeats=1)
+    assert set(timings) == {"default", "AUTO"}
+    assert all(set(ms) == {"1", "2"} and all(value > 0 for value in ms.values()) for ms in timings.values())
 
 
 def test_mkl_mode_without_mkl_and_bad_choices(monkeypatch):
     monkeypatch.delenv("MKL_CBWR", raising=False)
     monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
-    assert runtime.select_mkl_mode("cnr") == "no MKL" and "MKL_CBWR" not in os.environ
+    assert runtime.select_mkl_mode("cnr") == "no MKL (this torch build has no MKL)" and "MKL_CBWR" not in os.environ
     with pytest.raises(ValueError, match="Unknown MKL mode 'fast': use auto, cnr, default"):
         runtime.select_mkl_mode("fast")
 
@@ -183,7 +255,7 @@ def test_commands_choose_the_mkl_mode_before_loading_and_report_it(folders, monk
     monkeypatch.setattr(generate_command, "load_models", load_models_spy)
     argv = ["generate", "hi", "--target", str(target_dir), "--drafter", str(drafter_dir), "--max-new-tokens", "2"]
     assert cli.main([*argv, "--threads", "1", "--dtype", "float32", "--mkl-mode", "cnr"]) == 0
-    assert seen == ["AUTO"] and "kernels: MKL_CBWR=AUTO" in capsys.readouterr().err.splitlines()
+    assert seen == ["AUTO"] and "kernels: MKL_CBWR=AUTO (--mkl-mode cnr)" in capsys.readouterr().err.splitlines()
     with pytest.raises(SystemExit):  # argparse: one usage error line
         cli.main([*argv, "--mkl-mode", "fast"])
     assert "invalid choice: 'fast'" in capsys.readouterr().err

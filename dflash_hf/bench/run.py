@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 
 from ..engine.acceptance import acceptance_rate_by_slot
 from ..modeling import DFlashDraftModel
-from ..runtime import available_cpus, cpu_model, mkl_mode
+from ..runtime import available_cpus, cpu_model, mkl_choice, mkl_mode
 from .methods import BenchMethod, MethodRun, default_methods
 from .profile import measure_costs
 from .prompts import BenchPrompt
@@ -151,6 +151,7 @@ def hardware_info(device: torch.device) -> dict[str, Any]:
         "cpus_available": available_cpus(),
         "torch_threads": torch.get_num_threads(),
         "mkl": mkl_mode(),
+        "mkl_choice": mkl_choice(),
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "platform": platform.platform(),

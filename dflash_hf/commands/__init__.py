@@ -117,9 +117,10 @@ def add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
         "--mkl-mode",
         choices=MKL_MODES,
         default="auto",
-        help="MKL's code path for float32 matmuls: cnr sets MKL_CBWR=AUTO (a few-row matmul, as in a block verify, "
-        "then costs about a 1-row one on AMD CPUs), default leaves MKL alone, auto (the default) = cnr on AMD CPUs. "
-        "A MKL_CBWR in the environment is kept.",
+        help="MKL's code path for float32 matmuls: auto (the default) takes the one measured fastest on this machine "
+        "for decoding's few-row matmuls (MKL's default or one of its MKL_CBWR modes; timed once, about 10 s, the "
+        "verdict kept in the dflash-hf cache), cnr sets MKL_CBWR=AUTO, default leaves MKL alone. A MKL_CBWR in the "
+        "environment is kept.",
     )
 
 
@@ -132,8 +133,8 @@ def setup_cpu(args: argparse.Namespace, device: torch.device) -> int | None:
         raise ValueError(f"--threads must be >= 1, got {args.threads}.")
     if device.type != "cpu":
         return None
-    select_mkl_mode(args.mkl_mode)
     threads = args.threads or available_cpus()
+    select_mkl_mode(args.mkl_mode, threads)
     torch.set_num_threads(threads)
     return threads
 

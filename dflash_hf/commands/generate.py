@@ -24,7 +24,7 @@ from ..engine.generation import generate
 from ..engine.generation_call import CANDIDATE_SOURCES, DEFAULT_CANDIDATES
 from ..engine.tree import verify_width
 from ..modeling import DFlashConfig
-from ..runtime import Stopwatch, default_device, mkl_mode
+from ..runtime import Stopwatch, default_device, mkl_choice, mkl_mode
 from ..targets import resolve_drafter_dir
 from . import add_cpu_arguments, add_model_arguments, load_models, setup_cpu
 
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     check_context_length(target, inputs["input_ids"].shape[1], args.max_new_tokens)  # before any forward on the prompt
     print(f"precision: {precision}", file=sys.stderr, flush=True)
     if device.type == "cpu":
-        print(f"kernels: {mkl_mode()}", file=sys.stderr, flush=True)
+        print(f"kernels: {mkl_mode()} ({mkl_choice()})", file=sys.stderr, flush=True)
     common = dict(max_new_tokens=args.max_new_tokens, **sampling)
 
     # one short untimed pass (a few prompt tokens) so that neither timed run pays for first-call set-up (kernel
