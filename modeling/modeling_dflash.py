@@ -11,7 +11,8 @@ the target LLM's hidden states through K/V injection:
 * RoPE over absolute positions; prediction is same-position (slot `i` predicts the token at slot `i`).
 
 The drafter has no embedding and no LM head: callers embed `[anchor, MASK, ...]` with the target's input embedding
-and project `last_hidden_state` with the target's LM head.
+and project `last_hidden_state` with the target's LM head. An optional Markov head (`config.markov_rank`, DSpark's)
+adds to each slot's logits a low-rank correction keyed on the token before the slot (`DFlashMarkovHead`).
 
 This file ships inside every Hub checkpoint as remote code: it imports only torch, transformers and
 `configuration_dflash` (relatively). It is one file on purpose, as Transformers' own modeling files are: a Hub
@@ -22,9 +23,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.configuration_utils import PreTrainedConfig
@@ -276,6 +279,50 @@ class DFlashDecoderLayer(GradientCheckpointingLayer):
         return residual + hidden_states
 
 
+class DFlashZeroInitLinear(nn.Linear):
+    """A linear layer whose weights start at zero (the Markov head's `markov_w2`); see `_init_weights`."""
+
+
+class DFlashMarkovHead(nn.Module):
+    """DSpark's Markov head: a low-rank correction of each draft slot's logits keyed on the token before the slot.
+
+    `markov_w1` embeds the previous token (a target id) in `markov_rank` dimensions and `markov_w2` projects the
+    embedding onto the draft vocabulary (the reduced one when the drafter has `d2t`, else the target's). The gated
+    variant first scales the embedding by `sigmoid(gate_proj([hidden; embedding]))`, from the slot's final hidden
+    state. DeepSpec, speculators and llama.cpp use the same tensor names and shapes. `markov_w2` starts at zero, so a
+    new head leaves the drafter's logits unchanged until it is trained.
+    """
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        rank = int(config.markov_rank)
+        self.markov_w1 = nn.Embedding(int(config.vocab_size), rank)
+        self.markov_w2 = DFlashZeroInitLinear(rank, int(config.draft_vocab_size or config.vocab_size), bias=False)
+        self.gate_proj = nn.Linear(config.hidden_size + rank, rank) if config.markov_gated else None
+
+    def forward(self, previous_token_ids: torch.LongTensor, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """The logit correction `(..., draft vocabulary)` of slots whose previous tokens are `previous_token_ids`
+        `(...)`; `hidden_states` `(..., hidden_size)` are the slots' final hidden states (read by the gated variant)."""
+        embedded = self.markov_w1(previous_token_ids)
+        if self.gate_proj is not None:
+            if hidden_states is None:
+                raise ValueError("The gated Markov head needs the slots' hidden states (`hidden_states`).")
+            gate_input = torch.cat([hidden_states.to(embedded.dtype), embedded], dim=-1)
+            embedded = torch.sigmoid(self.gate_proj(gate_input)) * embedded
+        return self.markov_w2(embedded)
+
+
+@dataclass
+class DFlashModelOutput(BaseModelOutputWithPast):
+    r"""
+    markov_bias (`torch.FloatTensor` of shape `(batch, block, draft vocabulary)`, *optional*):
+        The Markov head's logit correction of every block slot for the `previous_token_ids` given to the forward (in
+        training: the true tokens, teacher forcing); add it to the slots' logits over the draft vocabulary.
+    """
+
+    markov_bias: torch.FloatTensor | None = None
+
+
 class DFlashPreTrainedModel(PreTrainedModel):
     """Weight init, attention backends and checkpointing shared by DFlash models."""
 
@@ -289,6 +336,11 @@ class DFlashPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, DFlashZeroInitLinear):  # a new Markov head leaves the drafter's logits unchanged
+            init.zeros_(module.weight)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
@@ -368,7 +420,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
     """The DFlash drafter: context fusion (`fc` + `hidden_norm`), K/V-injected decoder layers and a final `norm`.
 
     Tensor names are unprefixed (`fc.weight`, `layers.0.self_attn.q_proj.weight`, ...), the layout of the official
-    DFlash checkpoints that SGLang and vLLM read.
+    DFlash checkpoints that SGLang and vLLM read; a Markov head adds `markov_head.*` (see `DFlashConfig.markov_rank`).
+    Transformers' native DFlash path (`speculation_type="dflash"`) projects `last_hidden_state` itself and never
+    calls the Markov head: there the drafter drafts from its backbone alone and the output stays exact.
     """
 
     def __init__(self, config: DFlashConfig) -> None:
@@ -391,8 +445,25 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         if config.draft_vocab_size is not None:
             # draft id i -> target id i + d2t[i] (EAGLE-3 convention); identity until set_draft_vocabulary()
             self.register_buffer("d2t", torch.zeros(int(config.draft_vocab_size), dtype=torch.long))
+        self.markov_head = DFlashMarkovHead(config) if config.markov_rank else None
         self.gradient_checkpointing = False
         self.post_init()
+
+    def add_markov_head(self, rank: int, gated: bool = False) -> None:
+        """Give this drafter a new Markov head of rank `rank` (gated or vanilla, see `DFlashConfig.markov_rank`).
+
+        Its `markov_w2` starts at zero, so the drafts stay those of the backbone until the head is trained.
+        """
+        if self.markov_head is not None:
+            raise ValueError(f"This drafter already has a Markov head (rank {self.config.markov_rank}).")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"A Markov head's rank must be an int >= 1, got {rank!r}.")
+        if self.config.vocab_size is None:
+            raise ValueError("A Markov head embeds target tokens: the drafter's config needs the target's vocab_size.")
+        self.config.markov_rank, self.config.markov_gated = rank, bool(gated)
+        head = DFlashMarkovHead(self.config).to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+        head.apply(self._init_weights)
+        self.markov_head = head
 
     @property
     def draft_token_ids(self) -> torch.LongTensor | None:
@@ -455,8 +526,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         past_key_values: Cache | None = None,
         cache: Cache | None = None,
         use_cache: bool | None = None,
+        previous_token_ids: torch.LongTensor | None = None,
         **kwargs,
-    ) -> BaseModelOutputWithPast:
+    ) -> DFlashModelOutput:
         r"""
         Args:
             noise_embeds (`torch.Tensor` of shape `(batch, block, hidden_size)`):
@@ -472,6 +544,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             past_key_values / cache (`Cache`, *optional*):
                 Cache of context keys/values (stored rotated). Both names are accepted (Transformers 5.23 passes
                 `past_key_values`, 5.24 `cache`). The block's keys/values are appended too; the caller removes them.
+            previous_token_ids (`torch.LongTensor` of shape `(batch, block)`, *optional*):
+                For a drafter with a Markov head: the token before each block slot (target ids); the output's
+                `markov_bias` is then the head's correction of every slot's logits (training feeds the true tokens).
         """
         if cache is None:
             cache = past_key_values
@@ -517,7 +592,14 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             )
         # computed in the drafter's dtype, returned in the caller's (the target's LM head takes it next)
         hidden_states = self.norm(hidden_states).to(noise_embeds.dtype)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{_OUTPUT_CACHE_FIELD: cache})
+        markov_bias = None
+        if previous_token_ids is not None:
+            if self.markov_head is None:
+                raise ValueError("previous_token_ids feed a Markov head, and this drafter has none (markov_rank 0).")
+            markov_bias = self.markov_head(previous_token_ids, hidden_states)
+        return DFlashModelOutput(
+            last_hidden_state=hidden_states, markov_bias=markov_bias, **{_OUTPUT_CACHE_FIELD: cache}
+        )
 
     def __getattr__(self, name: str):
         # Transformers' plain assisted decoding first reads `assistant_model.generation_config`: turn that into a
@@ -542,4 +624,10 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         return dflash_generate(target, self, input_ids, **kwargs)
 
 
-__all__ = ["DFlashDraftModel", "DFlashNotAnAssistantError", "DFlashPreTrainedModel"]
+__all__ = [
+    "DFlashDraftModel",
+    "DFlashMarkovHead",
+    "DFlashModelOutput",
+    "DFlashNotAnAssistantError",
+    "DFlashPreTrainedModel",
+]

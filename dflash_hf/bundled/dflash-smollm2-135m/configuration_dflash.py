@@ -65,7 +65,11 @@ _OFFICIAL_ONLY_KEYS = (
     "sliding_window",
     "max_window_layers",
     "use_cache",
+    "sample_from_anchor",
 )
+
+# `markov_head_type` of DeepSpec / speculators / llama.cpp configs -> `DFlashConfig.markov_gated`.
+MARKOV_HEAD_TYPES = {"vanilla": False, "gated": True}
 
 
 def _is_official_config_dict(config_dict: dict) -> bool:
@@ -95,7 +99,19 @@ def _config_dict_from_official(config_dict: dict) -> dict:
         mask_token_id=dflash.get("mask_token_id", config_dict.get("mask_token_id")),
         block_size=int(block_size),
     )
+    if dflash.get("markov_rank"):
+        values.update(markov_fields(int(dflash["markov_rank"]), dflash.get("markov_head_type", "vanilla")))
     return values
+
+
+def markov_fields(markov_rank: int, markov_head_type: str) -> dict:
+    """`DFlashConfig` fields of a Markov head described the DSpark way (`markov_rank`, `markov_head_type`)."""
+    if markov_head_type not in MARKOV_HEAD_TYPES:
+        raise ValueError(
+            f"markov_head_type {markov_head_type!r} is not supported: a DFlash drafter's Markov head is one of "
+            f"{sorted(MARKOV_HEAD_TYPES)} (DSpark's recurrent 'rnn' head and correction heads are not)."
+        )
+    return {"markov_rank": int(markov_rank), "markov_gated": MARKOV_HEAD_TYPES[markov_head_type]}
 
 
 class DFlashConfig(PreTrainedConfig):
@@ -134,6 +150,19 @@ class DFlashConfig(PreTrainedConfig):
             the target's LM head listed by the `d2t` buffer, EAGLE-3 convention: draft id `i` is target id
             `i + d2t[i]`). Cuts the cost of the draft LM head; tokens outside it are simply never proposed.
             `None` drafts over the full vocabulary.
+        markov_rank (`int`): Rank `r` of a Markov head (DSpark's, arXiv 2607.05147), `0` for none. Slot `k`'s logits
+            get a low-rank correction keyed on the token before it, `logits_k += W2 @ W1[token_{k-1}]`: `W1` is
+            `markov_head.markov_w1.weight` `(vocab_size, r)`, indexed by target ids; `W2` is
+            `markov_head.markov_w2.weight` `(draft vocabulary, r)`, over the reduced draft vocabulary when there is one.
+            The correction is added to the drafter's logits as the target's LM head gives them (after its final-logit
+            softcapping, where it has one). Slots are then drafted one after another: slot 1's previous token is the
+            anchor, slot `k`'s is the token drafted at slot `k - 1` (a greedy argmax, or the sample drawn from slot
+            `k - 1`'s corrected distribution). The tensor names and shapes are those of DeepSpec, speculators and
+            llama.cpp (`markov_w1` / `markov_w2`). Transformers' native DFlash path (`speculation_type="dflash"`)
+            does not apply the head: it drafts from the backbone's logits alone, which keeps its output exact.
+        markov_gated (`bool`): The gated variant of the head (DSpark's `markov_head_type: "gated"`): the correction is
+            `W2 @ (g * W1[token_{k-1}])` with `g = sigmoid(gate_proj([h_k; W1[token_{k-1}]]))` from the slot's final
+            hidden state `h_k` (`markov_head.gate_proj`, `(r, hidden_size + r)` plus a bias). Needs `markov_rank > 0`.
     """
 
     model_type = "dflash"
@@ -159,6 +188,8 @@ class DFlashConfig(PreTrainedConfig):
     num_target_layers: int | None = None
     target_model_type: str | None = None
     draft_vocab_size: int | None = None
+    markov_rank: int = 0
+    markov_gated: bool = False
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
@@ -203,6 +234,12 @@ class DFlashConfig(PreTrainedConfig):
                     f"draft_vocab_size must be between 2 and the target vocabulary ({upper}), got "
                     f"{self.draft_vocab_size}; use None to draft over the full vocabulary."
                 )
+        if isinstance(self.markov_rank, bool) or not isinstance(self.markov_rank, int) or self.markov_rank < 0:
+            raise ValueError(f"markov_rank must be an int >= 0 (0: no Markov head), got {self.markov_rank!r}.")
+        if self.markov_rank and self.vocab_size is None:
+            raise ValueError("A Markov head (markov_rank > 0) embeds target tokens: set the target's vocab_size.")
+        if self.markov_gated and not self.markov_rank:
+            raise ValueError("markov_gated needs a Markov head: set markov_rank > 0 (DSpark uses 256).")
         if self.mask_token_id is not None and self.vocab_size is not None:
             if not 0 <= int(self.mask_token_id) < int(self.vocab_size):
                 raise ValueError(
@@ -311,4 +348,4 @@ class DFlashConfig(PreTrainedConfig):
         return cls(**values)
 
 
-__all__ = ["DFlashConfig", "default_target_layer_ids"]
+__all__ = ["MARKOV_HEAD_TYPES", "DFlashConfig", "default_target_layer_ids", "markov_fields"]
