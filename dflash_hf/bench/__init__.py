@@ -14,7 +14,16 @@
 
 from .methods import DEFAULT_BLOCK_SIZES, BenchMethod, MethodRun, default_methods, sampling_methods, widest_verify
 from .prompts import PROMPT_SETS, BenchPrompt, load_bench_prompts
-from .report import JSON_NAME, MARKDOWN_NAME, PLOT_NAMES, markdown_table, render_markdown, write_outputs, write_plots
+from .report import (
+    JSON_NAME,
+    MARKDOWN_NAME,
+    PLOT_NAMES,
+    benchmark_table,
+    markdown_table,
+    render_markdown,
+    write_outputs,
+    write_plots,
+)
 from .run import (
     BENCH_FORMAT,
     BenchResult,
@@ -45,6 +54,7 @@ __all__ = [
     "widest_verify",
     "sampling_methods",
     "hardware_info",
+    "benchmark_table",
     "load_bench_prompts",
     "markdown_table",
     "render_markdown",

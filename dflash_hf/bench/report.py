@@ -89,6 +89,31 @@ def markdown_table(result: BenchResult | dict[str, Any] | str | os.PathLike) -> 
     return "\n".join(lines) + "\n"
 
 
+def benchmark_table(result: BenchResult | dict[str, Any] | str | os.PathLike) -> str | None:
+    """Tau per benchmark for each method, as the DFlash paper's table has it (plus the mean over the benchmarks and the
+    tokens/s and speedup of the whole run); `None` for a run of one prompt set."""
+    document = _as_document(result)
+    by_benchmark = document.get("by_benchmark")
+    if not by_benchmark:
+        return None
+    names = list(next(iter(by_benchmark.values())))
+    lines = [
+        "| Method | " + " | ".join(f"{name} tau" for name in names) + " | mean tau | tokens/s | speedup |",
+        "|---|" + "---:|" * (len(names) + 3),
+    ]
+    for method in document["methods"]:
+        cells = by_benchmark.get(method["name"], {})
+        taus = [cells.get(name, {}).get("tau") for name in names]
+        known = [tau for tau in taus if tau is not None]
+        mean = sum(known) / len(known) if known else None
+        summary = method["summary"]
+        lines.append(
+            f"| {method['label']} | " + " | ".join(_fmt(tau) for tau in taus) + f" | {_fmt(mean)} "
+            f"| {_fmt(summary['tokens_per_s'])} | {_fmt(summary['speedup'], suffix='x')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def render_markdown(
     result: BenchResult | dict[str, Any] | str | os.PathLike,
     plots_prefix: str | None = None,
@@ -131,6 +156,7 @@ def render_markdown(
         "",
         markdown_table(document).rstrip("\n"),
         "",
+        *(["Tau per benchmark:", "", table.rstrip("\n"), ""] if (table := benchmark_table(document)) else []),
         "Speedup is tokens/s over plain greedy `target.generate` in the same process on the same prompts (sampled rows: "
         "over plain sampling `target.generate(do_sample=True)` at the same temperature); tau is tokens committed per "
         "target forward after the prefill; exact means every output equals plain greedy's, token for token (sampled "

@@ -114,6 +114,7 @@ class BenchResult:
     mismatches: list[Mismatch] = field(default_factory=list)
     command: str | None = None
     cost_profile: dict[str, Any] | None = None
+    by_benchmark: dict[str, dict[str, dict[str, Any]]] | None = None
 
     def method(self, name: str) -> MethodResult:
         """The result of the method called `name`."""
@@ -141,6 +142,7 @@ class BenchResult:
             "prompts": self.prompts,
             "results": {name: [dataclasses.asdict(r) for r in records] for name, records in self.results.items()},
             "cost_profile": self.cost_profile,
+            "by_benchmark": self.by_benchmark,
         }
 
 
@@ -295,12 +297,41 @@ def run_bench(
         settings=recorded,
         hardware=hardware_info(target.device),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        prompts=[{"index": i, "id": p.id, "prompt_tokens": len(p.input_ids)} for i, p in enumerate(prompts)],
+        prompts=[
+            {"index": i, "id": p.id, "prompt_tokens": len(p.input_ids), "benchmark": p.benchmark}
+            for i, p in enumerate(prompts)
+        ],
         methods=summaries,
         results=results,
         mismatches=mismatches,
         cost_profile=costs,
+        by_benchmark=benchmark_summaries(summaries, results, [p.benchmark for p in prompts]),
     )
+
+
+def benchmark_summaries(
+    methods: Sequence[MethodResult], results: dict[str, list[PromptResult]], benchmarks: Sequence[str | None]
+) -> dict[str, dict[str, dict[str, Any]]] | None:
+    """Per method and benchmark (the prompts' `benchmark` names, in order of first appearance): tau, tokens/s and
+    speedup over the method's baseline on that benchmark's prompts alone; `None` for a run of one prompt set."""
+    names = list(dict.fromkeys(b for b in benchmarks if b is not None))
+    if len(names) < 2:
+        return None
+    table: dict[str, dict[str, dict[str, Any]]] = {}
+    for method in methods:
+        table[method.name] = {}
+        for name in names:
+            indices = [i for i, b in enumerate(benchmarks) if b == name]
+            base = _summary([results[method.baseline][i] for i in indices], None, None).tokens_per_s
+            summary = _summary([results[method.name][i] for i in indices], method.block_size, base)
+            table[method.name][name] = {
+                "prompts": summary.prompts,
+                "tau": summary.tau,
+                "tokens_per_s": summary.tokens_per_s,
+                "speedup": summary.speedup,
+                "acceptance_rate_by_slot": summary.acceptance_rate_by_slot,
+            }
+    return table
 
 
 def _recorded_settings(

@@ -41,11 +41,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--prompts",
         default="humaneval",
-        help="humaneval; sharegpt (the ShareGPT held-out split as this version of make-data computes it); a make-data "
-        "folder (exactly its held_out.jsonl: use the folder the drafter was trained on); or a .json/.jsonl file of "
-        "prompts or chat messages (default: humaneval).",
+        help="One prompt set or several, comma-separated: gsm8k, math500, mbpp, mt-bench (from --prompts-dir offline, "
+        "else from the Hub through datasets), humaneval, sharegpt (the ShareGPT held-out split as this version of "
+        "make-data computes it), suite (the DFlash paper's gsm8k,math500,mbpp,mt-bench,humaneval; tau per benchmark "
+        "is reported), a make-data folder (exactly its held_out.jsonl: use the folder the drafter was trained on), or "
+        "a .json/.jsonl file of prompts or chat messages (default: humaneval).",
     )
-    parser.add_argument("--num-prompts", type=int, default=10, help="Number of prompts (default: 10).")
+    parser.add_argument(
+        "--prompts-dir",
+        type=Path,
+        default=None,
+        help="Folder of <benchmark>.jsonl files (rows with a `prompt`) for the named benchmarks, read instead of the "
+        "Hub (default: $DFLASH_HF_BENCH_PROMPTS).",
+    )
+    parser.add_argument("--num-prompts", type=int, default=10, help="Number of prompts per set (default: 10).")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="Most new tokens per prompt (default: 128).")
     parser.add_argument("--max-prompt-tokens", type=int, default=512, help="Skip longer prompts (default: 512 tokens).")
     parser.add_argument(
@@ -142,6 +151,8 @@ def _command_line(args: argparse.Namespace, threads: int | None) -> str:
         "--dtype", str(args.dtype),
         "--out", str(args.out),
     ]  # fmt: skip
+    if args.prompts_dir is not None:
+        argv += ["--prompts-dir", str(args.prompts_dir)]
     if threads is not None:
         argv += ["--threads", str(threads), "--mkl-mode", str(args.mkl_mode)]
     if args.lookup_tokens:
@@ -205,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         use_chat_template=False if args.no_chat_template else None,
         min_prompt_tokens=args.min_prompt_tokens,
+        prompts_dir=args.prompts_dir,
     )
     methods = bench.default_methods(
         target,
@@ -245,6 +257,9 @@ def run(args: argparse.Namespace) -> int:
     result.command = _command_line(args, threads)
     paths = bench.write_outputs(result, args.out)
     print(bench.markdown_table(result), end="", flush=True)
+    per_benchmark = bench.benchmark_table(result)
+    if per_benchmark:
+        print("\n" + per_benchmark, end="", flush=True)
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}", flush=True)
     if not result.exact:
         print(
