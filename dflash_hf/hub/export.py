@@ -3,13 +3,14 @@
     >>> dflash_hf.export(drafter, "out/my-drafter", target=target, metrics=bench_rows)
     >>> dflash_hf.export(drafter, "out/my-drafter-official", target=target, format="official")  # SGLang / vLLM
     >>> dflash_hf.export(drafter, "out/my-drafter-speculators", target=target, format="speculators")  # vLLM speculators
+    >>> dflash_hf.export(drafter, "out/my-drafter.gguf", target="smollm2-135m", format="gguf")  # llama.cpp
 
 The folder holds `config.json` (with `auto_map`), `model.safetensors`, the remote code (which imports only torch and
 transformers) and a `README.md` model card rendered from `dflash_hf.hub_cards`; the speculators layout holds its
 config, weights (with the draft vocabulary's head rows, `d2t` and `t2d`) and the card, no remote code
 (`dflash_hf.hub.speculators`). It is written into a hidden staging
 folder next to `out_dir` and renamed into place only when complete, so an interrupted export never leaves a folder
-that looks finished.
+that looks finished. The GGUF format is one file for llama.cpp, written by `dflash_hf.hub.gguf`.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ from ..fileio import atomic_write_folder, set_ordinary_mode
 from ..hub_cards import render_model_card
 from ..modeling import DFlashConfig, DFlashDraftModel
 from ..targets import TARGETS, is_hub_id, resolve_target_dir
+from .gguf import write_gguf
 from .official import OFFICIAL_MODELING_FILE, to_official_config
 from .speculators import check_speculators_target, speculators_state_dict, to_speculators_config
 
-EXPORT_FORMATS = ("dflash-hf", "official", "speculators")
+EXPORT_FORMATS = ("dflash-hf", "official", "speculators", "gguf")
 DFLASH_HF_AUTO_MAP = {
     "AutoConfig": "configuration_dflash.DFlashConfig",
     "AutoModel": "modeling_dflash.DFlashDraftModel",
@@ -149,6 +151,7 @@ def export(
     license: str | None = None,
     training: Mapping[str, Any] | None = None,
     overwrite: bool = False,
+    gguf_type: str = "f32",
 ) -> Path:
     """Write `drafter` as a Hub-ready folder: config, safetensors weights, remote code and a model card.
 
@@ -162,13 +165,16 @@ def export(
         format: `"dflash-hf"` (`model_type: dflash`, `AutoConfig`/`AutoModel` remote code), `"official"` (the z-lab
             layout read by SGLang and vLLM: Qwen3-style config with `dflash_config`, remote code in `dflash.py`) or
             `"speculators"` (vLLM's speculators layout, with the reduced draft vocabulary that its converter of the
-            official layout drops; needs the target's weights, refuses targets it cannot express such as Gemma).
+            official layout drops; needs the target's weights, refuses targets it cannot express such as Gemma) or
+            `"gguf"` (one `.gguf` file for llama.cpp's DFlash drafting, no card: `target` is then a named target or
+            the target's GGUF file, see `dflash_hf.hub.gguf.write_gguf`).
         base_model: Hub id of the target for the card's `base_model`; defaults to the target's name when it is a Hub
             id.
         repo_id: Hub id the drafter will be published under, used in the card's usage snippets.
         license: License of the card; defaults to the target card's license when it is available locally.
         training: Recorded training facts (data size, steps, hyper-parameters, wall time) listed in the card.
         overwrite: Replace an existing `out_dir` (only once the new export is complete).
+        gguf_type: For `format="gguf"`, the type of the draft body's weight matrices (`f32`, `f16`, `bf16`, `q8_0`).
 
     Returns:
         The path of the written folder.
@@ -177,6 +183,8 @@ def export(
         raise ValueError(f"Unknown export format {format!r}; choose one of {', '.join(EXPORT_FORMATS)}.")
     if getattr(drafter.config, "model_type", None) != DFlashConfig.model_type:
         raise ValueError(f"`export` writes DFlash drafters (`DFlashDraftModel`), got {type(drafter).__name__}.")
+    if format == "gguf":
+        return write_gguf(drafter, out_dir, target=target, gguf_type=gguf_type, overwrite=overwrite)
     target_config, target_name = _target_config(target)
     text_config = target_config.get_text_config(decoder=True)
     if format == "speculators":
