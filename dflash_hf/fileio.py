@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 # pickled weight files: never written, uploaded or opened (the drafter's remote code keeps its own list: it must run
 # without this package)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+# the temporary file safetensors' `save_file` writes next to its target and renames (a killed write leaves it)
+SAFETENSORS_TEMPORARY = ".tmp??????"
 
 
 def _umask() -> int:
@@ -83,3 +87,36 @@ def atomic_write_folder(path: str | os.PathLike, write: Callable[[Path], None]) 
             os.replace(previous, path)
         raise
     shutil.rmtree(previous, ignore_errors=True)
+
+
+def path_inside(folder: str | os.PathLike, name: str, named_by: str, fix: str) -> Path:
+    """`folder / name`, once it is known to resolve (links followed) to a path inside `folder`; else a `ValueError`
+    saying that `named_by` names a path outside the folder, and `fix`."""
+    folder = Path(folder)
+    root = folder.resolve()
+    resolved = (folder / name).resolve() if isinstance(name, str) and name else root
+    if resolved == root or not resolved.is_relative_to(root):
+        raise ValueError(f"{named_by} names {name!r}, which is not a path inside {folder}: {fix}")
+    return folder / name
+
+
+def read_json(path: str | os.PathLike, fix: str) -> Any:
+    """The JSON value of the UTF-8 file `path`; a `ValueError` naming the file and `fix` when it is not valid JSON
+    (also when it is not UTF-8 or nested too deeply to decode)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}): {fix}") from err
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err}): {fix}") from err
+    except RecursionError as err:
+        raise ValueError(f"{path} is nested too deeply to be a JSON file this package writes: {fix}") from err
+
+
+def remove_leftovers(folder: str | os.PathLike, patterns: Iterable[str]) -> None:
+    """Delete the files of `folder` matching the glob `patterns`: temporary files of a killed earlier write."""
+    for pattern in patterns:
+        for leftover in Path(folder).glob(pattern):
+            if leftover.is_file() or leftover.is_symlink():
+                leftover.unlink()

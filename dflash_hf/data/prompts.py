@@ -15,8 +15,10 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib.metadata
+import itertools
 import json
 import re
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,8 +58,10 @@ def find_sharegpt_file() -> Path:
     return max(candidates, key=lambda p: p.stat().st_size)
 
 
-def iter_json_array(text: str) -> Iterator[Any]:
-    """Decode a JSON array element by element; stops silently at an incomplete tail (a truncated file)."""
+def iter_json_array(text: str, source: str = "the JSON text", allow_truncated_tail: bool = False) -> Iterator[Any]:
+    """Decode a JSON array element by element. A malformed element is a `ValueError` naming `source` and the element
+    (`[i]`, counting from 0); with `allow_truncated_tail` decoding instead stops silently at the first element that
+    does not decode (the shipped ShareGPT file is cut off mid-element)."""
     decoder = json.JSONDecoder()
     pos = 0
     length = len(text)
@@ -69,34 +73,60 @@ def iter_json_array(text: str) -> Iterator[Any]:
 
     pos = skip(pos)
     if pos >= length or text[pos] != "[":
-        raise ValueError("Expected a JSON array (a list of conversations).")
+        raise ValueError(f'{source} is not a JSON array (a list of records such as {{"prompt": ...}}).')
     pos += 1
-    while True:
+    for element in itertools.count():
         pos = skip(pos)
-        if pos >= length or text[pos] == "]":
+        if pos < length and text[pos] == "]":
             return
         try:
             item, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return  # truncated tail
+        except (json.JSONDecodeError, RecursionError) as err:
+            if allow_truncated_tail:
+                return
+            reason = err.msg if isinstance(err, json.JSONDecodeError) else "nested too deeply"
+            raise ValueError(
+                f"{source}: element [{element}] of the array is not valid JSON ({reason}, at character {pos}); fix "
+                "it: it and every record after it would be lost."
+            ) from err
         yield item
         pos = skip(pos)
         if pos < length and text[pos] == ",":
             pos += 1
+        elif not allow_truncated_tail and (pos >= length or text[pos] != "]"):
+            raise ValueError(f"{source}: element [{element}] of the array is not followed by ',' or ']'; fix it.")
 
 
 def _open_text(path: Path) -> str:
-    """The text of a file, gunzipped when it ends in `.gz`."""
-    if path.suffix == ".gz":
-        with gzip.open(path, "rt", encoding="utf-8") as fh:
-            return fh.read()
-    return path.read_text(encoding="utf-8")
+    """The text of a file, gunzipped when it ends in `.gz`; a `ValueError` naming the file when it is not UTF-8 text
+    (or not gzip data)."""
+    try:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rt", encoding="utf-8") as fh:
+                return fh.read()
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8.") from err
+    except (gzip.BadGzipFile, EOFError, zlib.error) as err:
+        raise ValueError(f"{path} is not a complete gzip file ({err}); recompress it or drop the .gz suffix.") from err
+
+
+def _record(record: Any, where: str) -> dict:
+    """`record` when it is a JSON object, else a `ValueError` naming `where` (a file's line or element)."""
+    if not isinstance(record, dict):
+        raise ValueError(
+            f"{where} is a JSON {type(record).__name__}, not an object: every record is an object such as "
+            '{"prompt": "..."} or {"conversations": [...]}; fix or remove it.'
+        )
+    return record
 
 
 def iter_records(source: str) -> Iterator[dict]:
-    """The records (dicts) of a prompt source, in file order."""
+    """The records (dicts) of a prompt source, in file order. In a local file every record must be a JSON object
+    (`ValueError` naming the file and the line or element otherwise); ShareGPT's non-objects are skipped."""
     if source == DEFAULT_SOURCE:
-        yield from (r for r in iter_json_array(_open_text(find_sharegpt_file())) if isinstance(r, dict))
+        records = iter_json_array(_open_text(find_sharegpt_file()), "ShareGPT", allow_truncated_tail=True)
+        yield from (r for r in records if isinstance(r, dict))
         return
     path = Path(source)
     if not path.exists():
@@ -121,13 +151,14 @@ def iter_records(source: str) -> Iterator[dict]:
             if line.strip():
                 try:
                     record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{line_no} is not valid JSON ({err.msg}).") from err
-                if isinstance(record, dict):
-                    yield record
+                except (json.JSONDecodeError, RecursionError) as err:
+                    reason = err.msg if isinstance(err, json.JSONDecodeError) else "nested too deeply"
+                    raise ValueError(f"{path}:{line_no} is not valid JSON ({reason}).") from err
+                yield _record(record, f"{path}:{line_no}")
         return
     if name.endswith((".json", ".json.gz")):
-        yield from (r for r in iter_json_array(_open_text(path)) if isinstance(r, dict))
+        for element, record in enumerate(iter_json_array(_open_text(path), str(path))):
+            yield _record(record, f"{path}: element [{element}]")
         return
     raise ValueError(f"Unsupported prompt source {path}: use .json, .jsonl (optionally .gz) or a datasets folder.")
 
