@@ -69,12 +69,28 @@ def add_tap_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def drafter_source(name: str | Path) -> str:
+    """`name` as a drafter to load: a local folder, once its files pass `check_drafter_folder`, or a Hub id; a
+    `ValueError` for a name that is neither."""
+    from ..drafter_folder import check_drafter_folder
+    from ..targets import is_hub_id
+
+    if Path(name).exists():
+        check_drafter_folder(name)
+    elif not is_hub_id(name):
+        raise ValueError(
+            f"No drafter folder at {name}, and {str(name)!r} is no Hub id (org/name): pass a folder saved by "
+            "`dflash-hf train` (or `DFlashDraftModel.save_pretrained`), or the Hub id of a drafter."
+        )
+    return str(name)
+
+
 def target_layer_ids_of(args: argparse.Namespace, target) -> list[int]:
     """The tapped layers asked for by [`add_tap_arguments`]' flags: explicit ids, a drafter's, or spread ones."""
     from ..modeling import DFlashConfig, default_target_layer_ids
 
     if args.drafter:
-        return list(DFlashConfig.from_pretrained(args.drafter).target_layer_ids)
+        return list(DFlashConfig.from_pretrained(drafter_source(args.drafter)).target_layer_ids)
     if args.target_layer_ids is not None:
         return list(args.target_layer_ids)
     text = target.config.get_text_config(decoder=True)

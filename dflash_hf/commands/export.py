@@ -3,29 +3,25 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
+from ..fileio import read_json
 from ..hub.export import EXPORT_FORMATS, export
 from ..hub.gguf import GGUF_TYPES
 from ..modeling import DFlashDraftModel
+from . import drafter_source
 
 
 def _read_json(path: Path | None) -> Any:
-    if path is None:
-        return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from err
+    return None if path is None else read_json(path, "pass a JSON file (see `dflash-hf export --help`).")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run `export`; returns the exit code."""
     metrics = _read_json(args.metrics)
     training = _read_json(args.training)
-    drafter = DFlashDraftModel.from_pretrained(args.drafter)
+    drafter = DFlashDraftModel.from_pretrained(drafter_source(args.drafter))
     out_dir = export(
         drafter,
         args.out_dir,

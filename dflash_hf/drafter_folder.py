@@ -1,0 +1,119 @@
+"""Checks of a drafter folder's files, run before Transformers reads them: a damaged or hostile folder ends in a
+`ValueError` naming the file and the fix, not in a traceback, a read outside the folder or a silent cast.
+
+    >>> check_drafter_folder("out/my-drafter")  # config.json and weights of any export layout
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from safetensors import SafetensorError, safe_open
+
+from .fileio import path_inside, read_json
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+
+# sizes and ids of every layout's config (also nested: `dflash_config`, speculators' `transformer_layer_config`)
+INTEGER_FIELDS = (
+    "vocab_size",
+    "draft_vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "block_size",
+    "num_target_layers",
+    "mask_token_id",
+)
+LAYER_ID_FIELDS = ("target_layer_ids", "aux_hidden_state_layer_ids")
+# the draft vocabulary's id maps are the only tensors that are not floating point
+INTEGER_TENSORS = ("d2t", "t2d")
+_FIX = "re-export the drafter with `dflash-hf export`, or restore the folder from its source."
+
+
+def _fields(config: dict[str, Any], depth: int = 3) -> Iterator[tuple[str, Any]]:
+    """`(key, value)` of `config` and of the objects nested in it, `depth` levels down."""
+    for key, value in config.items():
+        yield key, value
+        if isinstance(value, dict) and depth > 1:
+            yield from _fields(value, depth - 1)
+
+
+def read_config_dict(folder: str | os.PathLike) -> dict[str, Any]:
+    """The `config.json` object of a drafter folder, once its sizes are known to be integers (`ValueError` naming
+    the file and the field otherwise)."""
+    path = Path(folder) / CONFIG_NAME
+    if not path.is_file():
+        raise ValueError(f"No DFlash drafter at {folder} (no {CONFIG_NAME}): {_FIX}")
+    config = read_json(path, _FIX)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not a config object: {_FIX}")
+    for key, value in _fields(config):
+        if key in INTEGER_FIELDS and value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "mask_token_id" else 1):
+                raise ValueError(f"{path}: `{key}` must be a positive integer, got {value!r}: {_FIX}")
+        if key in LAYER_ID_FIELDS and value is not None:
+            if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+                raise ValueError(f"{path}: `{key}` must be a list of layer numbers, got {value!r}: {_FIX}")
+    return config
+
+
+def weight_files(folder: str | os.PathLike) -> list[str]:
+    """The weight files of a drafter folder, relative to it: `model.safetensors`, or the shards that
+    `model.safetensors.index.json` names (each checked to be a file inside the folder)."""
+    folder = Path(folder)
+    index_path = folder / WEIGHTS_INDEX_NAME
+    if not index_path.is_file():
+        return [WEIGHTS_NAME] if (folder / WEIGHTS_NAME).is_file() else []
+    index = read_json(index_path, _FIX)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index_path} has no `weight_map` of tensor names to shard files: {_FIX}")
+    shards = sorted(set(weight_map.values()), key=str)
+    for shard in shards:
+        path = path_inside(folder, shard, f"{index_path} (a shard)", _FIX)
+        if Path(shard).name != shard or not shard.endswith(".safetensors") or not path.is_file():
+            raise ValueError(
+                f"{index_path} names the shard {shard!r}, which is no safetensors file of {folder}: {_FIX}"
+            )
+    return shards
+
+
+def check_weights(folder: str | os.PathLike, files: list[str]) -> None:
+    """Raise a `ValueError` unless the tensors of every safetensors file of `files` (relative to `folder`) are
+    floating point (the `d2t` / `t2d` id maps excepted): integer weights would be cast silently. A file safetensors
+    cannot read is left to the loader, which names it."""
+    for name in files:
+        path = Path(folder) / name
+        try:
+            with safe_open(path, framework="pt") as handle:
+                dtypes = {key: handle.get_slice(key).get_dtype() for key in handle.keys()}
+        except SafetensorError:
+            continue
+        integers = sorted(key for key, dtype in dtypes.items() if "F" not in dtype and key not in INTEGER_TENSORS)
+        if integers:
+            found = ", ".join(f"{key} ({dtypes[key]})" for key in integers[:3]) + (", ..." if len(integers) > 3 else "")
+            raise ValueError(
+                f"{path} holds {len(integers)} non-floating-point weight tensors ({found}), which loading would cast "
+                f"to floats without a word: {_FIX}"
+            )
+
+
+def check_drafter_folder(folder: str | os.PathLike) -> dict[str, Any]:
+    """Check a local drafter folder before it is loaded ([`read_config_dict`], [`weight_files`], [`check_weights`]);
+    returns its config object."""
+    config = read_config_dict(folder)
+    check_weights(folder, weight_files(folder))
+    return config
+
+
+__all__ = ["check_drafter_folder", "check_weights", "read_config_dict", "weight_files"]
