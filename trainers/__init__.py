@@ -19,16 +19,19 @@ from .masks import (
     sample_anchors,
     slot_loss_weights,
 )
+from .metrics import LOSS_WEIGHTINGS, dpace_slot_weights
 from .trainer import DFlashTrainer
 
 __all__ = [
     "DFlashDataCollator",
     "DFlashTrainer",
     "DFlashTrainingConfig",
+    "LOSS_WEIGHTINGS",
     "accepted_drafts",
     "block_attention_mask",
     "build_blocks",
     "default_loss_decay_gamma",
+    "dpace_slot_weights",
     "flex_block_mask",
     "decoding_walk",
     "implied_acceptance_length",

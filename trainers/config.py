@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from .masks import default_loss_decay_gamma
+from .metrics import LOSS_WEIGHTINGS
 
 FEATURE_MODES = ("online", "offline")
 ATTENTION_BACKENDS = ("auto", "flex_attention", "sdpa", "eager")
@@ -32,6 +33,9 @@ class DFlashTrainingConfig(TrainingArguments):
         num_anchors (`int`, defaults to `512`): Maximum number of random anchors (blocks) per sequence and step.
         loss_decay_gamma (`float`, *optional*): Slot `k` is weighted by `exp(-(k - 1) / gamma)`. Defaults by block
             size: 7 for B=16, 5 for B=10, 4 for B=8 (see `default_loss_decay_gamma` for other sizes).
+        loss_weighting (`str`, defaults to `"exp_decay"`): `exp_decay` weights slots as above; `dpace` weights each
+            slot by its effect on the block's expected accepted length under the drafter's current probabilities of
+            the labels (D-PACE, see `dflash_hf.trainers.metrics.dpace_slot_weights`); `loss_decay_gamma` is then unused.
         num_draft_layers (`int`, defaults to `5`): Decoder layers of a new drafter.
         target_layer_ids (`list[int]`, *optional*): Target layers tapped for the context feature; by default
             `num_target_features` layers spread over the target (docs/design.md §1).
@@ -62,6 +66,20 @@ class DFlashTrainingConfig(TrainingArguments):
             target's top `num_draft_layers` layers (and its final norm), with `fc` selecting the last tapped layer
             and `hidden_norm` set to the first copied layer's input norm, so the first draft layer starts from the
             features it expects. Needs a target whose layers have the drafter's shapes.
+        markov_rank (`int`, *optional*): Give the drafter a Markov head of this rank (DSpark's; see
+            `DFlashConfig.markov_rank`): a new drafter, or a loaded one without a head (its new head starts at zero, so
+            training starts from the drafter's own drafts). A loaded drafter's existing head must match it.
+        markov_gated (`bool`, defaults to `False`): The new Markov head is the gated variant (`DFlashConfig.markov_gated`).
+        markov_loss_weight (`float`, defaults to `1.0`): With a Markov head each labelled slot's loss is
+            `(1 - w) * CE(backbone logits) + w * CE(corrected logits)` (each CE mixed with distillation and taken on
+            the hard labels as above), then weighted by the slot weights. The corrected logits are the backbone's plus
+            the head's correction for the *true* previous token of the slot (teacher forcing: the token at
+            `anchor + k - 1` for slot `k`, the anchor for slot 1). `w = 1` trains on what the engine drafts from;
+            `w < 1` also keeps the backbone a good drafter on its own (for readers that ignore the head, such as
+            Transformers' native path). The logged accuracies and acceptance lengths, and D-PACE's weights, come from
+            the corrected logits.
+        freeze_backbone (`bool`, defaults to `False`): Train the Markov head only; the drafter's backbone (`fc`,
+            `hidden_norm`, layers, `norm`) stays as loaded. Needs a Markov head (`markov_rank`).
         muon (`bool`, defaults to `False`): Optimise the drafter's 2-D weight matrices with `torch.optim.Muon`
             (learning rate matched to AdamW's update RMS) and the rest (norms) with AdamW.
         max_train_samples (`int`, *optional*): Train on the first N rows of the training data only (ablations on a
@@ -83,6 +101,13 @@ class DFlashTrainingConfig(TrainingArguments):
     loss_decay_gamma: float | None = field(
         default=None,
         metadata={"help": "Slot k loss weight exp(-(k-1)/gamma). Default by block size: 16->7, 10->5, 8->4."},
+    )
+    loss_weighting: str = field(
+        default="exp_decay",
+        metadata={
+            "help": "How block slots are weighted in the loss: exp_decay (exp(-(k-1)/gamma)) or dpace (each slot's "
+            "effect on the block's expected accepted length under the drafter's current probabilities, D-PACE)."
+        },
     )
     num_draft_layers: int = field(default=5, metadata={"help": "Decoder layers of a new drafter."})
     target_layer_ids: list[int] | None = field(
@@ -118,6 +143,18 @@ class DFlashTrainingConfig(TrainingArguments):
     )
     init_from_target: bool = field(
         default=False, metadata={"help": "Initialise a new drafter's layers from the target's top layers."}
+    )
+    markov_rank: int | None = field(
+        default=None,
+        metadata={"help": "Give the drafter a Markov head of this rank (DSpark's; new or headless drafter)."},
+    )
+    markov_gated: bool = field(default=False, metadata={"help": "The new Markov head is the gated variant."})
+    markov_loss_weight: float = field(
+        default=1.0,
+        metadata={"help": "w in (1-w) * CE(backbone logits) + w * CE(logits corrected by the Markov head)."},
+    )
+    freeze_backbone: bool = field(
+        default=False, metadata={"help": "Train only the Markov head; the drafter's backbone stays as loaded."}
     )
     muon: bool = field(default=False, metadata={"help": "torch.optim.Muon for 2-D weights, AdamW for the rest."})
     max_train_samples: int | None = field(
@@ -164,6 +201,11 @@ class DFlashTrainingConfig(TrainingArguments):
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
+        if self.loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(
+                f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {self.loss_weighting!r}: exp_decay weights slot k "
+                "by exp(-(k-1)/gamma), dpace by its effect on the expected accepted length."
+            )
         if self.loss_decay_gamma is None:
             self.loss_decay_gamma = default_loss_decay_gamma(self.block_size)
         elif float(self.loss_decay_gamma) <= 0:
@@ -176,6 +218,19 @@ class DFlashTrainingConfig(TrainingArguments):
             raise ValueError(
                 f"hard_labels must be one of {HARD_LABELS}, got {self.hard_labels!r}: 'data' trains on the dataset's "
                 "next token, 'target' on the target's own most likely token."
+            )
+        if self.markov_rank is not None and int(self.markov_rank) < 1:
+            raise ValueError(
+                f"markov_rank must be >= 1 (DSpark uses 256), got {self.markov_rank}; omit it for no head."
+            )
+        if self.markov_gated and self.markov_rank is None:
+            raise ValueError("markov_gated describes a new Markov head: give its rank too (--markov_rank R).")
+        if not 0.0 <= float(self.markov_loss_weight) <= 1.0:
+            raise ValueError(f"markov_loss_weight must be in [0, 1], got {self.markov_loss_weight}.")
+        if self.freeze_backbone and float(self.markov_loss_weight) == 0.0:
+            raise ValueError(
+                "freeze_backbone trains only the Markov head, which markov_loss_weight=0 leaves out of the loss: "
+                "raise markov_loss_weight (1.0 trains the head on its corrected logits)."
             )
         if self.max_train_samples is not None and int(self.max_train_samples) < 1:
             raise ValueError(f"max_train_samples must be >= 1, got {self.max_train_samples}.")

@@ -18,7 +18,10 @@ What it does per batch:
    the sparse mask (context strictly before the anchor + own block; blocks blind to each other) as a flex
    `BlockMask` on GPU or a dense boolean mask (SDPA) on CPU;
 4. same-position labels, target LM head on the labelled slots only, cross-entropy weighted by
-   `exp(-(k - 1) / gamma)` and normalised by the weight sum.
+   `exp(-(k - 1) / gamma)` and normalised by the weight sum;
+5. with a Markov head: the head's correction for each slot's true previous token (teacher forcing) added to those
+   logits, each slot's loss mixed as `(1 - w) * CE(backbone logits) + w * CE(corrected logits)`
+   (`markov_loss_weight`); `freeze_backbone` trains the head alone.
 
 Only the drafter is handed to the `Trainer` (optimised, checkpointed, wrapped for DDP); the target, its embedding
 and its LM head stay frozen (a PEFT/LoRA-adapted target is frozen too, adapters included).
@@ -61,6 +64,7 @@ from .masks import (
     implied_acceptance_length,
     sample_anchors,
 )
+from .metrics import dpace_slot_weights
 from .optimizers import MuonWithAdamW, newton_schulz_float32_pays
 from .vocabulary import frequent_response_tokens
 
@@ -96,6 +100,8 @@ def _resolve_drafter(
                 target_layer_ids=args.target_layer_ids,
                 tokenizer=processing_class,
                 draft_vocab_size=args.draft_vocab_size,
+                markov_rank=args.markov_rank or 0,
+                markov_gated=args.markov_gated,
             )
         )
         if args.init_from_target:
@@ -124,7 +130,35 @@ def _resolve_drafter(
             f"The drafter taps target layers {model.config.target_layer_ids} but the training config says "
             f"{args.target_layer_ids}: drop --target_layer_ids or start a new drafter."
         )
+    _give_markov_head(model, args)
     return model, coverage
+
+
+def _give_markov_head(model: DFlashDraftModel, args: DFlashTrainingConfig) -> None:
+    """Add the Markov head `args` asks for to a drafter without one; refuse a drafter whose head differs."""
+    if args.markov_rank is None:
+        return
+    wanted = (int(args.markov_rank), bool(args.markov_gated))
+    if model.markov_head is None:
+        model.add_markov_head(*wanted)
+        logger.info(f"New Markov head of rank {wanted[0]} ({'gated' if wanted[1] else 'vanilla'}), starting at zero.")
+    elif (int(model.config.markov_rank), bool(model.config.markov_gated)) != wanted:
+        raise ValueError(
+            f"The drafter has a Markov head of rank {model.config.markov_rank} (gated: {model.config.markov_gated}) but "
+            f"the training config asks for rank {wanted[0]} (gated: {wanted[1]}): drop --markov_rank / --markov_gated "
+            "to train the drafter's own head."
+        )
+
+
+def _freeze_backbone(model: DFlashDraftModel) -> None:
+    """Leave only the Markov head trainable."""
+    if model.markov_head is None:
+        raise ValueError(
+            "freeze_backbone trains only the Markov head, and this drafter has none: add one with --markov_rank R "
+            "(DSpark uses 256)."
+        )
+    model.requires_grad_(False)
+    model.markov_head.requires_grad_(True)
 
 
 def _training_dataset(train_dataset, args: DFlashTrainingConfig, model: DFlashDraftModel):
@@ -228,9 +262,14 @@ class DFlashTrainer(PickleFreeCheckpoints):
         self.block_size = int(model.config.block_size)
         self.mask_token_id = int(model.config.mask_token_id)
         self.loss_decay_gamma = float(args.loss_decay_gamma)
+        self.loss_weighting = args.loss_weighting
         self.num_anchors = int(args.num_anchors)
         self.distill_weight = float(args.distill_weight)
         self.hard_labels = args.hard_labels
+        self.has_markov_head = model.markov_head is not None
+        self.markov_loss_weight = float(args.markov_loss_weight)
+        if args.freeze_backbone:
+            _freeze_backbone(model)
         draft_ids = model.draft_token_ids
         self.draft_token_ids = None if draft_ids is None else draft_ids.detach().clone()
         if self.draft_token_ids is not None:  # target id -> draft id, -100 (ignored) outside the draft vocabulary
@@ -362,11 +401,13 @@ class DFlashTrainer(PickleFreeCheckpoints):
             mask = flex_block_mask(anchor_ids, anchor_valid, seq, block)
         else:
             mask = block_attention_mask(anchor_ids, anchor_valid, seq, block)
+        markov_inputs = {"previous_token_ids": blocks.previous_ids} if self.has_markov_head else {}
         output = model(
             noise_embeds=noise_embeds,
             context_hidden_states=context,
             position_ids=blocks.position_ids,
             attention_mask=mask,
+            **markov_inputs,
         )
         hidden = output.last_hidden_state.view(batch, num, block, -1)
         selected = blocks.weights > 0
@@ -383,18 +424,45 @@ class DFlashTrainer(PickleFreeCheckpoints):
             self.target_to_draft = self.target_to_draft.to(labels.device)
             logits = self.adapter.logits(hidden[selected], self.draft_token_ids)
             labels = self.target_to_draft[labels]
+        target_probs = None
         if uses_teacher:
             target_probs = self._teacher_probs(teacher, blocks.position_ids[:, seq:].view(batch, num, block), selected)
             if self.hard_labels == "target":
                 labels = target_probs.argmax(dim=-1)
-        ce = F.cross_entropy(logits, labels, reduction="none", ignore_index=-100)
-        if self.distill_weight > 0:
-            soft = -(target_probs * logits.float().log_softmax(dim=-1)).sum(dim=-1)
-            ce = (1.0 - self.distill_weight) * ce + self.distill_weight * soft
+        base_logits = logits
+        if self.has_markov_head:  # from here on the logits the engine drafts from (the metrics' too)
+            logits = logits + output.markov_bias.view(batch, num, block, -1)[selected].float()
+        ce = self._slot_losses(logits, labels, target_probs)
+        if self.has_markov_head and self.markov_loss_weight < 1.0:
+            w = self.markov_loss_weight
+            ce = w * ce + (1.0 - w) * self._slot_losses(base_logits, labels, target_probs)
+        if self.loss_weighting == "dpace":
+            weights = self._dpace_weights(logits, labels, selected)
         loss = (ce * weights).sum() / weights.sum()
         correct = torch.zeros_like(selected)
         correct[selected] = logits.argmax(dim=-1) == labels
         return loss, {"correct": correct, "selected": selected, "anchors": anchor_ids, "anchor_valid": anchor_valid}
+
+    @staticmethod
+    def _dpace_weights(logits: torch.Tensor, labels: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+        """D-PACE weights of the selected slots, from the drafter's probabilities of their labels (0 for a label it
+        cannot draft)."""
+        with torch.no_grad():
+            probs = logits.float().softmax(dim=-1).gather(-1, labels.clamp_min(0)[:, None])[:, 0]
+            probs = torch.where(labels >= 0, probs, torch.zeros_like(probs))
+            per_slot = torch.zeros(selected.shape, dtype=probs.dtype, device=probs.device)
+            per_slot[selected] = probs
+            return dpace_slot_weights(per_slot, selected)[selected]
+
+    def _slot_losses(
+        self, logits: torch.Tensor, labels: torch.Tensor, target_probs: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Per labelled slot: the cross-entropy of its label, mixed with distillation on `target_probs`."""
+        ce = F.cross_entropy(logits, labels, reduction="none", ignore_index=-100)
+        if self.distill_weight > 0:
+            soft = -(target_probs * logits.float().log_softmax(dim=-1)).sum(dim=-1)
+            ce = (1.0 - self.distill_weight) * ce + self.distill_weight * soft
+        return ce
 
     def _teacher_probs(self, teacher: torch.Tensor, positions: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
         """The target's own next-token distribution for each labelled slot (the distillation teacher): its final hidden

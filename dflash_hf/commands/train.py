@@ -234,6 +234,7 @@ def _training_facts(trainer, config, result, last: dict, wall: float, data: str)
         "block_size": config.block_size,
         "num_anchors": config.num_anchors,
         "loss_decay_gamma": config.loss_decay_gamma,
+        "loss_weighting": config.loss_weighting,
         "learning_rate": config.learning_rate,
         "effective_batch_size": config.per_device_train_batch_size
         * config.gradient_accumulation_steps
