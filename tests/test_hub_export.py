@@ -138,18 +138,18 @@ def test_export_is_atomic(qwen_pair, tmp_path, monkeypatch):
         dflash_hf.export(drafter, out, target=target, base_model="Qwen/Qwen3-8B", format="official")
     assert list(tmp_path.iterdir()) == []  # no half folder, no staging leftovers
 
-    out.mkdir()
-    (out / "previous.txt").write_text("kept")
+    dflash_hf.export(drafter, out, target=target, base_model="Qwen/Qwen3-8B")  # an earlier export, its card edited
+    (out / "README.md").write_text("kept")
     with pytest.raises(ValueError, match="already exists"):
         dflash_hf.export(drafter, out, target=target, base_model="Qwen/Qwen3-8B")
     with pytest.raises(KeyboardInterrupt):
         dflash_hf.export(drafter, out, target=target, base_model="Qwen/Qwen3-8B", format="official", overwrite=True)
-    assert [path.name for path in tmp_path.iterdir()] == ["d"] and (out / "previous.txt").read_text() == "kept"
+    assert [path.name for path in tmp_path.iterdir()] == ["d"] and (out / "README.md").read_text() == "kept"
 
     monkeypatch.undo()
     dflash_hf.export(drafter, out, target=target, base_model="Qwen/Qwen3-8B", overwrite=True)
     assert [path.name for path in tmp_path.iterdir()] == ["d"]
-    assert not (out / "previous.txt").exists() and (out / "model.safetensors").exists()
+    assert (out / "README.md").read_text() != "kept" and (out / "model.safetensors").exists()
 
 
 def test_cli_export(qwen_pair, tmp_path, capsys):

@@ -15,7 +15,6 @@ that looks finished. The GGUF format is one file for llama.cpp, written by `dfla
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import shutil
@@ -34,14 +33,11 @@ from ..hub_cards import render_model_card
 from ..modeling import DFlashConfig, DFlashDraftModel
 from ..targets import TARGETS, is_hub_id, resolve_target_dir
 from .gguf import write_gguf
-from .official import OFFICIAL_MODELING_FILE, to_official_config
+from .layout import DFLASH_HF_AUTO_MAP, foreign_entries, remote_code
+from .official import to_official_config
 from .speculators import check_speculators_target, speculators_state_dict, to_speculators_config
 
 EXPORT_FORMATS = ("dflash-hf", "official", "speculators", "gguf")
-DFLASH_HF_AUTO_MAP = {
-    "AutoConfig": "configuration_dflash.DFlashConfig",
-    "AutoModel": "modeling_dflash.DFlashDraftModel",
-}
 _LICENSE_FIELDS = ("license", "license_name", "license_link")
 
 
@@ -116,9 +112,8 @@ def _write_folder(drafter: DFlashDraftModel, folder: Path, format: str, card: st
     # the remote code always comes from this package's sources, whatever class `drafter` was loaded as
     for stray in folder.glob("*.py"):
         stray.unlink()
-    shutil.copy(inspect.getfile(DFlashConfig), folder / "configuration_dflash.py")
-    modeling_file = OFFICIAL_MODELING_FILE if format == "official" else "modeling_dflash.py"
-    shutil.copy(inspect.getfile(DFlashDraftModel), folder / modeling_file)
+    for name, source in remote_code(format).items():
+        shutil.copy(source, folder / name)
     config_path = folder / "config.json"
     if format == "official":
         config = to_official_config(drafter.config)
@@ -131,11 +126,19 @@ def _write_folder(drafter: DFlashDraftModel, folder: Path, format: str, card: st
 
 
 def _write_atomically(out_dir: Path, overwrite: bool, write: Callable[[Path], None]) -> None:
-    """Refuse an existing `out_dir` unless `overwrite`, then write it with [`fileio.atomic_write_folder`]."""
+    """Refuse an existing `out_dir` unless `overwrite` and it holds an earlier export (nothing else would be lost),
+    then write it with [`fileio.atomic_write_folder`]."""
     if out_dir.exists() and not overwrite:
         raise ValueError(f"{out_dir} already exists; choose another folder or pass overwrite=True (`--overwrite`).")
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"{out_dir} exists and is not a folder.")
+    foreign = foreign_entries(out_dir) if out_dir.exists() else []
+    if foreign:
+        more = f" and {len(foreign) - 8} more" if len(foreign) > 8 else ""
+        raise ValueError(
+            f"{out_dir} is not an earlier export: overwriting it would delete {', '.join(foreign[:8])}{more}. "
+            "Overwrite replaces only a folder `dflash-hf export` wrote: choose another folder, or move those away."
+        )
     atomic_write_folder(out_dir, write)
 
 
@@ -173,7 +176,8 @@ def export(
         repo_id: Hub id the drafter will be published under, used in the card's usage snippets.
         license: License of the card; defaults to the target card's license when it is available locally.
         training: Recorded training facts (data size, steps, hyper-parameters, wall time) listed in the card.
-        overwrite: Replace an existing `out_dir` (only once the new export is complete).
+        overwrite: Replace an existing `out_dir` that holds an earlier export (only once the new export is
+            complete); a folder holding anything an export does not write is refused, naming what would be lost.
         gguf_type: For `format="gguf"`, the type of the draft body's weight matrices (`f32`, `f16`, `bf16`, `q8_0`).
 
     Returns:

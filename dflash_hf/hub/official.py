@@ -21,6 +21,7 @@ OFFICIAL_MODEL_TYPE = "qwen3"
 OFFICIAL_ARCHITECTURE = "DFlashDraftModel"
 # The remote-code module an official checkpoint's `auto_map` points at; exports ship our modeling file under this name.
 OFFICIAL_MODELING_FILE = "dflash.py"
+OFFICIAL_AUTO_MAP = {"AutoModel": f"{OFFICIAL_MODELING_FILE.removesuffix('.py')}.{OFFICIAL_ARCHITECTURE}"}
 
 # Draft-layer fields shared verbatim by `DFlashConfig` and a Qwen3 config (the official layout's config, and the
 # `transformer_layer_config` of the speculators layout).
@@ -58,7 +59,7 @@ def to_official_config(config: DFlashConfig) -> dict[str, Any]:
     rope_scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
     official: dict[str, Any] = {
         "architectures": [OFFICIAL_ARCHITECTURE],
-        "auto_map": {"AutoModel": f"{OFFICIAL_MODELING_FILE.removesuffix('.py')}.{OFFICIAL_ARCHITECTURE}"},
+        "auto_map": dict(OFFICIAL_AUTO_MAP),
         "model_type": OFFICIAL_MODEL_TYPE,
         **{key: getattr(config, key) for key in _SHARED_KEYS},
         "rope_parameters": rope,
@@ -84,6 +85,7 @@ def to_official_config(config: DFlashConfig) -> dict[str, Any]:
 __all__ = [
     "DRAFT_LAYER_KEYS",
     "OFFICIAL_ARCHITECTURE",
+    "OFFICIAL_AUTO_MAP",
     "OFFICIAL_MODELING_FILE",
     "OFFICIAL_MODEL_TYPE",
     "to_official_config",

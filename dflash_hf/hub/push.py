@@ -9,7 +9,6 @@ environment (`HF_TOKEN`) or login (`hf auth login`).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +17,11 @@ from huggingface_hub import HfApi, get_token, is_offline_mode, metadata_load
 from safetensors import SafetensorError, safe_open
 from transformers.utils import logging as transformers_logging
 
+from ..drafter_folder import check_weights, read_config_dict, weight_files
 from ..fileio import PICKLE_SUFFIXES
 from ..modeling import DFlashDraftModel
-from .speculators import check_speculators_folder, is_speculators_config_dict
+from .layout import format_of, layout_problems
+from .speculators import check_speculators_folder
 
 # front-matter keys every exported card carries
 REQUIRED_CARD_KEYS = ("base_model", "library_name", "pipeline_tag", "tags")
@@ -35,23 +36,38 @@ class HubFile:
 
 
 def _folder_files(folder: Path) -> list[HubFile]:
-    """Every regular file under `folder`, hidden files and folders excluded (`upload_folder` gets exactly these)."""
-    files = []
-    for path in sorted(folder.rglob("*")):
-        relative = path.relative_to(folder)
-        if path.is_file() and not any(part.startswith(".") for part in relative.parts):
-            files.append(HubFile(relative.as_posix(), path.stat().st_size))
-    return files
+    """Every regular file under `folder`, hidden files and folders excluded (`upload_folder` gets exactly these);
+    a `ValueError` for a link among them, whose target, anywhere, would be uploaded."""
+    files, links = [], []
+    for root, folders, names in os.walk(folder):
+        folders[:] = [name for name in folders if not name.startswith(".")]
+        for name in sorted([*folders, *names]):
+            path = Path(root) / name
+            relative = path.relative_to(folder).as_posix()
+            if path.is_symlink():
+                links.append(relative)
+            elif path.is_file() and not name.startswith("."):
+                files.append(HubFile(relative, path.stat().st_size))
+    if links:
+        raise ValueError(
+            f"{folder} holds links ({', '.join(sorted(links))}): the files they point at, wherever they are, would be "
+            "uploaded. Replace them by the files themselves, or re-export the drafter with `dflash-hf export`."
+        )
+    return sorted(files, key=lambda file: file.path)
 
 
 def validate_hub_folder(folder: str | os.PathLike) -> list[HubFile]:
-    """Check that `folder` is a complete, loadable DFlash drafter and return the files to upload.
+    """Check that `folder` is a complete, loadable DFlash drafter, exactly as `dflash-hf export` writes it, and
+    return the files to upload.
 
-    Checks, without network: no pickled weights; `config.json` is a DFlash config (dflash-hf, official or speculators
-    layout); the safetensors weights match the config exactly (loaded strictly with
-    [`DFlashDraftModel.from_pretrained`], or checked tensor by tensor for the speculators layout, which has no remote
-    code); the remote code named by `auto_map` is present; `README.md` has YAML front matter with `base_model`, `library_name`,
-    `pipeline_tag` and `tags`. Raises `ValueError` (or `FileNotFoundError`) naming the problem.
+    Checks, without network: no links and no pickled weights; `config.json` is a DFlash config (dflash-hf,
+    official or speculators layout) whose sizes are integers; the folder holds exactly the files an export of that
+    layout writes (no other file, Python or not), with exactly its `auto_map` and remote code byte-identical to this
+    package's (whoever loads the drafter with `trust_remote_code=True` runs it); a weight index names only shards
+    inside the folder; the safetensors weights are floating point and match the config exactly (loaded strictly
+    with [`DFlashDraftModel.from_pretrained`], or checked tensor by tensor for the speculators layout);
+    `README.md` has YAML front matter with `base_model`, `library_name`, `pipeline_tag` and `tags`. Raises
+    `ValueError` (or `FileNotFoundError`) naming every difference found.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -73,31 +89,31 @@ def validate_hub_folder(folder: str | os.PathLike) -> list[HubFile]:
         except SafetensorError as err:
             message = f"{folder / name} is not a readable safetensors file ({err}); re-export the drafter."
             raise ValueError(message) from err
-    try:
-        config_dict = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{folder}/config.json is not valid JSON ({err}); re-export the drafter.") from err
-    if is_speculators_config_dict(config_dict):
-        check_speculators_folder(folder)
-        _check_card(folder, names)
-        return files
-    progress_bar = transformers_logging.is_progress_bar_enabled()
-    transformers_logging.disable_progress_bar()
-    try:
-        DFlashDraftModel.from_pretrained(folder)
-    finally:
-        if progress_bar:
-            transformers_logging.enable_progress_bar()
-    auto_map = config_dict.get("auto_map") or {}
-    if "AutoModel" not in auto_map:
+    config_dict = read_config_dict(folder)
+    format = format_of(config_dict)
+    if format is None:
         raise ValueError(
-            f"{folder}/config.json has no `auto_map` for AutoModel, so the drafter cannot load without dflash-hf; "
-            "re-export it with `dflash-hf export`."
+            f"{folder}/config.json is no DFlash drafter config (model_type {config_dict.get('model_type')!r}); "
+            "export the drafter with `dflash-hf export`."
         )
-    for reference in auto_map.values():
-        module_file = reference.split("--")[-1].rsplit(".", 1)[0] + ".py"
-        if module_file not in names:
-            raise ValueError(f"`auto_map` points at {module_file}, which is missing from {folder}; re-export it.")
+    weights = weight_files(folder)
+    problems = layout_problems(folder, format, config_dict, names, weights)
+    if problems:
+        raise ValueError(
+            f"{folder} is not what `dflash-hf export --format {format}` writes: {'; '.join(problems)}. Whoever loads "
+            "it with trust_remote_code=True runs its Python files: re-export the drafter with `dflash-hf export`."
+        )
+    check_weights(folder, weights)
+    if format == "speculators":
+        check_speculators_folder(folder)
+    else:
+        progress_bar = transformers_logging.is_progress_bar_enabled()
+        transformers_logging.disable_progress_bar()
+        try:
+            DFlashDraftModel.from_pretrained(folder)
+        finally:
+            if progress_bar:
+                transformers_logging.enable_progress_bar()
     _check_card(folder, names)
     return files
 
