@@ -9,6 +9,8 @@ Conventions (the two published DFlash training bugs are the shifted-by-one label
 * **Labels** are same-position: slot `k` (k = 1..B-1) is labelled with the token at `anchor_j + k`, only where that
   token is a response token. Slot 0 (the anchor itself) is never trained.
 * **Loss weights:** `exp(-(k - 1) / gamma)` for slot `k >= 1`, normalised by the sum of the weights of the valid labels.
+* **Previous tokens** (a Markov head's input, teacher forcing): slot `k`'s is the true token at `anchor_j + k - 1`, so
+  slot 1's is the anchor.
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ class BlockBatch:
     block_ids: torch.Tensor  # (b, A*B): anchor token then mask ids
     position_ids: torch.Tensor  # (b, n + A*B): context positions then block positions
     labels: torch.Tensor  # (b, A, B): token at anchor + k, -100 where not trained
+    previous_ids: torch.Tensor  # (b, A*B): true token at anchor + k - 1 (slot 0: the anchor), for a Markov head
     weights: torch.Tensor  # (b, A, B): slot weight where the label is valid, else 0
 
 
@@ -166,6 +169,8 @@ def build_blocks(
 
     block_ids = torch.full_like(pos, int(mask_token_id))
     block_ids[:, :, 0] = input_ids.gather(1, anchors)
+    previous_ids = input_ids.gather(1, (pos - 1).clamp(0, seq - 1).flatten(1)).view_as(pos)
+    previous_ids[:, :, 0] = block_ids[:, :, 0]
     ctx_pos = torch.arange(seq, device=device)[None, :].expand(batch, -1)
     position_ids = torch.cat([ctx_pos, pos.flatten(1)], dim=1)
     return BlockBatch(
@@ -174,6 +179,7 @@ def build_blocks(
         block_ids=block_ids.flatten(1),
         position_ids=position_ids,
         labels=labels,
+        previous_ids=previous_ids.flatten(1),
         weights=weights,
     )
 
