@@ -5,13 +5,17 @@ Everything is built in-process from configs; nothing is ever downloaded.
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
+import types
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# commands store per-machine verdicts (e.g. `--dtype auto`) in the dflash-hf cache: keep the user's cache clean
-os.environ.setdefault("DFLASH_HF_CACHE", tempfile.mkdtemp(prefix="dflash-hf-tests-"))
+# commands store per-machine verdicts (`--dtype auto`'s precision.json, `--mkl-mode auto`'s) in the dflash-hf cache:
+# a fresh one, whatever the environment names, so that no verdict of an earlier run decides a test and no stand-in
+# verdict of a test reaches the user's cache
+os.environ["DFLASH_HF_CACHE"] = tempfile.mkdtemp(prefix="dflash-hf-tests-")
 
 import pytest
 import torch
@@ -24,9 +28,37 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from dflash_hf import DFlashConfig, DFlashDraftModel
+from dflash_hf import DFlashConfig, DFlashDraftModel, runtime
 
 torch.set_num_threads(1)  # tiny models: one thread is fastest and deterministic
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """Commands set torch's thread count (`--threads`, by default the CPUs this host has): give it back after each
+    test, so that no later test runs on another host's count."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _host_without_native_bf16(monkeypatch):
+    """`--dtype auto`, the trainer's Muon precision and its bf16 warning follow `runtime.native_bf16_feature`: every
+    test runs as on a CPU without native bfloat16 unless it stands in another kind of host itself (the tests of those
+    choices do, for each kind), so that no outcome depends on this machine's bf16 units."""
+    monkeypatch.setattr(runtime, "native_bf16_feature", lambda: None)
+
+
+@pytest.fixture(autouse=True)
+def _engine_cycle_clock(monkeypatch):
+    """The engine's adaptive choices (the block size, the lookup branch) follow each cycle's wall time, which differs
+    per host and per run: in tests every cycle takes one second, so that those choices follow acceptance alone, the
+    same on every machine (the policies' use of costs has its own tests, with given costs)."""
+    from dflash_hf.engine import generation_call
+
+    ticks = itertools.count()
+    monkeypatch.setattr(generation_call, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
 
 
 @pytest.fixture(autouse=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from test_targets import make_llama, save_tiny_target
 from transformers import AutoTokenizer
 
-from dflash_hf import DFlashConfig, DFlashDraftModel, cli, targets
+from dflash_hf import DFlashConfig, DFlashDraftModel, cli, precision, runtime, targets
 
 NUMBER = r"\d+\.\d\d"
 SUMMARY = rf"^tokens: (\d+) \| tau: {NUMBER} \| {NUMBER} tokens/s$"
@@ -17,13 +18,6 @@ COMPARE = (
     rf"^tokens: (\d+) \| tau: {NUMBER} \| {NUMBER} tokens/s \| plain (greedy|sampling) \((float32|bfloat16)\): {NUMBER} tokens/s "
     rf"\| speedup: {NUMBER}x \| identical: (yes|no|n/a \(sampling\))$"
 )
-
-
-@pytest.fixture(autouse=True)
-def keep_torch_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +54,21 @@ def _greedy_answer(target_dir, input_ids: torch.Tensor, max_new_tokens: int, dty
     return len(new), tokenizer.decode(new, skip_special_tokens=True)
 
 
-def test_greedy_compare_streams_the_lossless_answer(folders, capsys):
+HOSTS = {  # kind of CPU -> (its native bf16 unit, the precision whose DFlash cycle it measures faster)
+    "no native bf16 (AVX2 EPYC, AVX-512 Xeon)": (None, None),
+    "AVX512-BF16 EPYC, bf16 faster": ("AVX512-BF16", torch.bfloat16),
+    "AMX Xeon, float32 faster": ("AMX-BF16", torch.float32),
+}
+
+
+@pytest.mark.parametrize("host", list(HOSTS))
+def test_greedy_compare_streams_the_lossless_answer(folders, capsys, monkeypatch, tmp_path, host):
+    """`--dtype auto` on each kind of host (its bf16 unit and the measured cycle times stood in) picks its precision,
+    and in it the engine's answer is plain greedy decoding's."""
+    feature, faster = HOSTS[host]
+    monkeypatch.setenv(targets.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(runtime, "native_bf16_feature", lambda: feature)
+    monkeypatch.setattr(precision, "_cycle_ms", lambda model, *args: 1.0 if model.dtype == faster else 2.0)
     code, out, err = _run(
         capsys,
         "the cat sat",
@@ -78,6 +86,13 @@ def test_greedy_compare_streams_the_lossless_answer(folders, capsys):
     match = re.match(COMPARE, out[-1])
     assert match, out[-1]
     assert match.group(2) == "greedy" and match.group(4) == "yes"
+    verdicts = tmp_path / precision.VERDICTS_FILE
+    if feature is None:  # nothing to measure
+        assert _precision(err) == "float32" and not verdicts.exists()
+    else:  # measured once: bf16 where its cycle was faster and its verification bit-exact
+        [verdict] = json.loads(verdicts.read_text()).values()
+        bf16 = faster == torch.bfloat16 and verdict["bfloat16_exact"]
+        assert _precision(err) == ("bfloat16" if bf16 else "float32")
 
     tokenizer = AutoTokenizer.from_pretrained(folders["target"])
     text = tokenizer.apply_chat_template(
