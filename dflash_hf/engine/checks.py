@@ -4,6 +4,25 @@ from __future__ import annotations
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation.logits_process import (
+    ClassifierFreeGuidanceLogitsProcessor,
+    EncoderNoRepeatNGramLogitsProcessor,
+    EncoderRepetitionPenaltyLogitsProcessor,
+    LogitsProcessorList,
+    SynthIDTextWatermarkLogitsProcessor,
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
+)
+
+from .processing import EXACT_PROCESSORS
+
+# The generation argument that adds each processor the engine refuses (anything else came in `logits_processor`).
+_ARGUMENT_OF = {
+    UnbatchedClassifierFreeGuidanceLogitsProcessor: "guidance_scale",
+    ClassifierFreeGuidanceLogitsProcessor: "guidance_scale",
+    EncoderRepetitionPenaltyLogitsProcessor: "encoder_repetition_penalty",
+    EncoderNoRepeatNGramLogitsProcessor: "encoder_no_repeat_ngram_size",
+    SynthIDTextWatermarkLogitsProcessor: "watermarking_config",
+}
 
 
 def check_inputs(
@@ -25,6 +44,12 @@ def check_inputs(
             f"`input_ids` must hold integer token ids, got dtype {input_ids.dtype}: pass `input_ids.long()` "
             "(float ids would be silently truncated)."
         )
+    for name, tensor in (("input_ids", input_ids), ("attention_mask", attention_mask)):
+        if isinstance(tensor, torch.Tensor) and tensor.device.type == "meta":
+            raise ValueError(
+                f"`{name}` is on the meta device (a shape without values): pass real token ids on the target's "
+                f"device ({target.device})."
+            )
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 1:
@@ -85,3 +110,33 @@ def check_request(generation_config: GenerationConfig) -> None:
             )
     if getattr(generation_config, "num_beams", 1) not in (None, 1):
         raise ValueError("DFlash generation does not support beam search: use num_beams=1.")
+
+
+def check_prompt_is_token_ids(model_kwargs: dict) -> None:
+    """Refuse `inputs_embeds`: DFlash generation prefills the target from token ids (the drafter drafts from them)."""
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError(
+            "`inputs_embeds` is not supported by DFlash generation, which prefills the target from `input_ids`: pass "
+            "the prompt's token ids alone, or decode embeddings with plain `target.generate`."
+        )
+
+
+def check_logits_processors(logits_processor: LogitsProcessorList | None) -> None:
+    """Refuse logits processors the engine cannot run exactly.
+
+    The engine scores every drafted slot of every row on its own, calling each processor once per row and slot with
+    that row's prefix: exact only for the stateless, row-wise processors of `processing.EXACT_PROCESSORS` (matched
+    by class). A stateful processor (classifier-free guidance runs its own model and cache), one holding the whole
+    batch's prompt, or any other (a custom processor cannot be proven stateless) would give other tokens than plain
+    decoding, so it is refused with a `ValueError` naming the argument that added it.
+    """
+    for processor in logits_processor or []:
+        if type(processor) in EXACT_PROCESSORS:
+            continue
+        name = type(processor).__name__
+        argument = _ARGUMENT_OF.get(type(processor), "logits_processor")
+        raise ValueError(
+            f"`{argument}` ({name}) is not supported by DFlash generation: the engine applies logits processors once "
+            "per row and drafted token, which is exact only for the stateless Transformers processors it lists in "
+            f"`dflash_hf.engine.processing.EXACT_PROCESSORS`; drop `{argument}`, or decode with plain `target.generate`."
+        )

@@ -21,12 +21,18 @@ import numbers
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.logits_process import LogitsProcessorList
-from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 
 from ..modeling import DFlashDraftModel
 from .acceptance import DEFAULT_SAMPLING_PROPOSAL
 from .block_size import BlockSizePolicy
-from .checks import check_context_length, check_inputs, check_request
+from .checks import (
+    check_context_length,
+    check_inputs,
+    check_logits_processors,
+    check_prompt_is_token_ids,
+    check_request,
+)
 from .generation_call import DEFAULT_CANDIDATES, GenerationCall
 from .output import DFlashGenerateOutput
 
@@ -49,6 +55,26 @@ def _streamer_of_calling_generate():
         return candidate if hasattr(candidate, "put") and hasattr(candidate, "end") else None
     finally:
         del frame
+
+
+def _stop_strings_as_criteria(target: PreTrainedModel, kwargs: dict) -> None:
+    """Turn `stop_strings` (with the `tokenizer` in `kwargs`) into a `StopStringCriteria` in `kwargs`.
+
+    Transformers hands a callable `custom_generate` no `tokenizer`, so `target.generate` could not build the stop-string
+    criterion itself and would refuse `stop_strings`; the criterion built here is the one it builds.
+    """
+    tokenizer = kwargs.pop("tokenizer", None)
+    if "stop_strings" in kwargs:
+        stop_strings = kwargs["stop_strings"]
+    else:  # a passed config's own, else the target's default (as `target.generate` merges them)
+        passed = getattr(kwargs.get("generation_config"), "stop_strings", None)
+        stop_strings = passed or getattr(target.generation_config, "stop_strings", None)
+    if tokenizer is None or not stop_strings:
+        return
+    criteria = list(kwargs.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    kwargs["stopping_criteria"] = StoppingCriteriaList(criteria)
+    kwargs["stop_strings"] = None  # overrides the configs' stop strings: the criterion above stands for them
 
 
 def custom_generate(
@@ -83,6 +109,8 @@ def custom_generate(
     if synced_gpus:
         raise ValueError("DFlash generation does not support `synced_gpus` (DeepSpeed ZeRO-3 / FSDP generation).")
     check_request(generation_config)
+    check_prompt_is_token_ids(model_kwargs)
+    check_logits_processors(logits_processor)
     input_ids, attention_mask = check_inputs(model, input_ids, model_kwargs.get("attention_mask"))
     longest = input_ids.shape[1] if attention_mask is None else int(attention_mask.sum(-1).max())
     check_context_length(model, longest, int(generation_config.max_length) - input_ids.shape[1])
@@ -134,7 +162,9 @@ def generate(
         A `(batch, length)` tensor like `model.generate`, or a [`DFlashGenerateOutput`] (sequences + statistics) with
         `return_dict_in_generate=True`.
     """
+    check_prompt_is_token_ids(kwargs)
     input_ids, attention_mask = check_inputs(target, input_ids, attention_mask)
+    _stop_strings_as_criteria(target, kwargs)
     max_new_tokens = kwargs.get("max_new_tokens")
     if max_new_tokens is not None and (
         isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0

@@ -213,7 +213,7 @@ class GenerationCall:
         def prefixes():
             return [self.sequences[row, : self.lengths[row]] for row in range(self.batch)]
 
-        scores = self.process(logits[:, None, :], prefixes)[:, 0]
+        scores = self.process(logits[:, None, :], list(range(self.batch)), prefixes)[:, 0]
         if self.do_sample:
             return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         return scores.argmax(dim=-1)
@@ -243,7 +243,7 @@ class GenerationCall:
             full = draft_logits.new_full((*draft_logits.shape[:2], self.adapter.vocab_size), float("-inf"))
             draft_logits = full.index_copy_(-1, self.draft_token_ids, draft_logits)
         if self.process.is_identity or self.process.prefix_free:
-            scores = self.process(draft_logits, lambda: [])
+            scores = self.process(draft_logits, rows, lambda: [])
             if not self.sample_slots:
                 return scores.argmax(dim=-1), None
             probs = torch.softmax(scores, dim=-1)
@@ -257,7 +257,7 @@ class GenerationCall:
             sequence = self.sequences[row, : self.lengths[row]]
             for slot in range(slots):
                 prefix = torch.cat([sequence, tokens[i, :slot]])
-                scores = self.process.processors(prefix[None], draft_logits[i, slot][None])[0]
+                scores = self.process.for_row(row, prefix[None], draft_logits[i, slot][None])[0]
                 if self.sample_slots:
                     probs[i, slot] = torch.softmax(scores, dim=-1)
                     tokens[i, slot] = torch.multinomial(probs[i, slot], num_samples=1)[0]
@@ -267,7 +267,7 @@ class GenerationCall:
 
     def _accept(self, target_logits: torch.Tensor, block_tokens, draft_tokens, draft_probs, rows):
         """Accepted drafts and the target's next token per row (greedy prefix match, or rejection sampling)."""
-        scores = self.process(target_logits, lambda: self._row_prefixes(rows, block_tokens))
+        scores = self.process(target_logits, rows, lambda: self._row_prefixes(rows, block_tokens))
         if self.do_sample:
             return rejection_sample(draft_tokens, draft_probs, torch.softmax(scores, dim=-1))
         return greedy_accept(draft_tokens, scores.argmax(dim=-1))
@@ -419,7 +419,7 @@ class GenerationCall:
             dtype = self.adapter.embed_tokens.weight.dtype
             mask = tree_attention_mask(state.mask, sees, dtype, positions, self.sliding_window)
             step = self.adapter.forward(ids, mask, positions, self.target_cache)
-            scores = self.process(self.adapter.logits(step.last_hidden_state), lambda: [])
+            scores = self.process(self.adapter.logits(step.last_hidden_state), state.rows, lambda: [])
             result = tree_accept(ids, scores.argmax(dim=-1), draft_tokens.shape[1], valid)
         order = path_order(result.accepted, result.lookup_won, draft_tokens.shape[1], int(result.accepted.max()) + 1)
         return result, step, order, ids

@@ -2,50 +2,116 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
 from transformers.generation.logits_process import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
+    ExponentialDecayLengthPenalty,
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+    LogitsProcessor,
     LogitsProcessorList,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    PrefixConstrainedLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
+    TopHLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
     TypicalLogitsWarper,
+    WatermarkLogitsProcessor,
 )
 
-# Warpers whose output depends on the scores only, never on the prefix: they can be applied to a whole
+# Processors whose output depends on the scores only, never on the prefix: they can be applied to a whole
 # (rows x slots) batch in one call.
 _PREFIX_FREE = (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
+    TopHLogitsWarper,
     MinPLogitsWarper,
     TypicalLogitsWarper,
     EpsilonLogitsWarper,
     EtaLogitsWarper,
+    SuppressTokensLogitsProcessor,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
 )
+# Processors whose scores for a row depend only on that row's own sequence (once bound to the row, `_for_row`) and
+# keep no state between calls: called once per row and slot with the row's prefix, they give what plain decoding
+# gives that row.
+_ROW_WISE = (
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    NoBadWordsLogitsProcessor,
+    PrefixConstrainedLogitsProcessor,
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    ExponentialDecayLengthPenalty,
+    SuppressTokensAtBeginLogitsProcessor,
+    WatermarkLogitsProcessor,
+)
+# The processors the engine runs exactly. Matched by exact class: a subclass may override `__call__`.
+EXACT_PROCESSORS = _PREFIX_FREE + _ROW_WISE
+
+
+def _for_row(processor: LogitsProcessor, row: int) -> LogitsProcessor:
+    """`processor` as plain decoding applies it to batch row `row` when it is called with that row alone."""
+    if isinstance(processor, PrefixConstrainedLogitsProcessor):
+        allowed, group = processor._prefix_allowed_tokens_fn, processor._num_beams
+        return PrefixConstrainedLogitsProcessor(lambda _, sequence: allowed(row // group, sequence), 1)
+    if isinstance(processor, RepetitionPenaltyLogitsProcessor) and isinstance(
+        processor.prompt_ignore_length, torch.Tensor
+    ):
+        bound = copy.copy(processor)
+        bound.prompt_ignore_length = processor.prompt_ignore_length[row : row + 1]
+        return bound
+    return processor
 
 
 class BlockLogitsProcessor:
     """Applies a `LogitsProcessorList` to `(batch, slots, vocab)` logits.
 
     Prefix-dependent processors (repetition penalty, min-new-tokens, ...) are called once per row and slot with
-    that row's own sequence up to the slot, i.e. exactly what plain decoding of that row would pass them.
+    that row's own sequence up to the slot, i.e. exactly what plain decoding of that row would pass them. Only
+    `EXACT_PROCESSORS` are exact this way (`checks.check_logits_processors` refuses the others).
     """
 
     def __init__(self, logits_processor: LogitsProcessorList | None) -> None:
         self.processors = LogitsProcessorList(logits_processor or [])
         self.is_identity = len(self.processors) == 0
         self.prefix_free = all(isinstance(proc, _PREFIX_FREE) for proc in self.processors)
+        self._row_processors: dict[int, LogitsProcessorList] = {}
 
-    def __call__(self, logits: torch.Tensor, prefixes: Callable[[], list[torch.LongTensor]]) -> torch.Tensor:
-        """Process `logits[i, j]` as the scores following row `i`'s sequence extended by `j` block tokens.
+    def for_row(self, row: int, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        """Process `scores` `(1, vocab)` following `input_ids` `(1, length)` of batch row `row`."""
+        if row not in self._row_processors:
+            self._row_processors[row] = LogitsProcessorList(_for_row(proc, row) for proc in self.processors)
+        return self._row_processors[row](input_ids, scores)
+
+    def __call__(
+        self, logits: torch.Tensor, rows: list[int], prefixes: Callable[[], list[torch.LongTensor]]
+    ) -> torch.Tensor:
+        """Process `logits[i, j]` as the scores following row `rows[i]`'s sequence extended by `j` block tokens.
 
         Args:
             logits: `(batch, slots, vocab)` float logits.
+            rows: the batch row (of the call's input) of every entry of `logits`.
             prefixes: builds, only when a processor needs them, per row the 1D sequence up to and including block
                 slot `slots - 1`; slot `j` sees its first `len - (slots - 1 - j)` entries.
         """
@@ -56,8 +122,8 @@ class BlockLogitsProcessor:
             flat_ids = torch.zeros(batch * slots, 1, dtype=torch.long, device=logits.device)
             return self.processors(flat_ids, logits.reshape(batch * slots, vocab)).view(batch, slots, vocab)
         out = torch.empty_like(logits)
-        for row, sequence in enumerate(prefixes()):
+        for i, (row, sequence) in enumerate(zip(rows, prefixes())):
             for slot in range(slots):
                 end = sequence.shape[0] - (slots - 1 - slot)
-                out[row, slot] = self.processors(sequence[None, :end], logits[row, slot][None])[0]
+                out[i, slot] = self.for_row(row, sequence[None, :end], logits[i, slot][None])[0]
         return out
