@@ -159,7 +159,7 @@ def test_streamer_receives_exactly_the_generated_tokens():
     assert recorder.ended
     assert recorder.chunks[0] == input_ids[0].tolist()  # the prompt first, as with model.generate
     assert sum(recorder.chunks[1:], []) == reference[0, 7:].tolist()
-    assert any(len(chunk) > 1 for chunk in recorder.chunks[1:])  # whole accepted runs arrive together
+    assert all(len(chunk) == 1 for chunk in recorder.chunks[1:])  # one token per step, as with model.generate
 
 
 def test_generated_token_equal_to_mask_id_comes_through():

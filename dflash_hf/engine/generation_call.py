@@ -167,6 +167,7 @@ class GenerationCall:
         self.stopping_criteria = stopping_criteria
         self.stop_token_ids = _plain_stop_token_ids(stopping_criteria)
         self.streamer = streamer
+        self.streamed = input_ids.shape[1]  # steps sent to the streamer end at this column
         self.mask_token_id = int(drafter.config.mask_token_id)
         draft_ids = getattr(drafter, "draft_token_ids", None)
         self.draft_token_ids = None if draft_ids is None else draft_ids.to(self.device)
@@ -293,10 +294,18 @@ class GenerationCall:
                 if self.lengths[row] >= self.max_length or bool(self.stopping_criteria(sequence, None)[0]):
                     self.finished[row] = True
                     break
-        emitted = self.lengths[row] - start
-        if self.streamer is not None and emitted:
-            self.streamer.put(self.sequences[row : row + 1, start : self.lengths[row]].cpu())
-        return emitted
+        return self.lengths[row] - start
+
+    def _stream(self) -> None:
+        """Send the streamer the steps every row has reached, as plain decoding sends them: one `(batch,)` tensor
+        of token ids per step, the pad token in rows that have stopped."""
+        if self.streamer is None:
+            return
+        running = [length for length, done in zip(self.lengths, self.finished) if not done]
+        reached = min(running) if running else max(self.lengths)
+        for column in range(self.streamed, reached):
+            self.streamer.put(self.sequences[:, column].cpu())
+        self.streamed = max(self.streamed, reached)
 
     # ----------------------------------------------------------------------------------------------------------
     def _remaining(self, rows: list[int]) -> int:
@@ -310,6 +319,7 @@ class GenerationCall:
 
     def _run(self) -> DFlashGenerateOutput:
         state = self._prefill()
+        self._stream()
         while state.rows:
             block = max(2, min(self.policy.next_block_size(), self._remaining(state.rows) + 1))
             cycle_start = time.perf_counter()
@@ -333,6 +343,7 @@ class GenerationCall:
             if lookups is not None:
                 self.tree_choice.observe(tree, sum(kept) / len(kept), seconds)
             self._drop_finished(state)
+            self._stream()
         if self.streamer is not None:
             self.streamer.end()
         return self._output()
