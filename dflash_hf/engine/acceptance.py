@@ -43,7 +43,8 @@ def rejection_sample(
 
     Draft token `d_j ~ q_j` is accepted with probability `min(1, p_j(d_j) / q_j(d_j))`. At the first rejection the
     replacement is drawn from `normalize(max(0, p_j - q_j))`; if every draft is accepted the bonus is drawn from the
-    last target distribution.
+    last target distribution. A draft its own proposal gives no probability (`q_j(d_j) == 0`: a slot that proposed
+    nothing, `q_j` all zeros) is always rejected, and the replacement then comes from `p_j` itself.
 
     Args:
         draft_tokens: `(batch, k)` tokens sampled from `draft_probs`.
@@ -56,7 +57,7 @@ def rejection_sample(
     batch, k = draft_tokens.shape
     p_draft = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
     q_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
-    ratio = p_draft / q_draft.clamp_min(torch.finfo(q_draft.dtype).tiny)
+    ratio = torch.where(q_draft > 0, p_draft / q_draft.clamp_min(torch.finfo(q_draft.dtype).tiny), 0.0)
     keep = (torch.rand_like(ratio) < ratio).int()
     accepted = keep.cumprod(dim=1).sum(dim=1)
 

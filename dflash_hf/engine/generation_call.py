@@ -225,10 +225,18 @@ class GenerationCall:
         When sampling with the `argmax` proposal the drafted tokens are the processed argmax and the proposal
         distribution is a point mass on them: the rejection sampler then accepts `d` with probability `p(d)` and on
         rejection samples from `p` with `d` removed, which is exactly the target's distribution.
+
+        A slot with non-finite logits (a diverged or overflowing drafter) proposes nothing: its logits are zeroed so
+        that drafting stays well-defined, and (sampling) its proposal distribution is zero, which `rejection_sample`
+        always rejects; greedy verification keeps only drafts equal to the target's tokens anyway.
         """
+        finite = torch.isfinite(draft_logits).all(dim=-1)
+        draft_logits = torch.where(finite[..., None], draft_logits, torch.zeros_like(draft_logits))
         tokens, probs = self._draft_tokens(draft_logits, rows)
         if self.do_sample and probs is None:
             probs = torch.nn.functional.one_hot(tokens, self.adapter.vocab_size).to(torch.float32)
+        if self.do_sample:
+            probs = probs * finite[..., None]
         return tokens, probs
 
     def _draft_tokens(self, draft_logits: torch.Tensor, rows: list[int]):
