@@ -119,6 +119,38 @@ class AdaptiveBlockSize:
                     self._accepted[slot] += weight
 
 
+class BoundedBlockSize:
+    """A caller's policy object, held to block sizes 2..`trained_block_size` (drafters do not generalise to blocks
+    larger than they were trained on). It keeps learning through `observe`.
+
+    Raises a `ValueError` when the policy declares a larger `max_block_size` (or `block_size`), or proposes a size
+    outside 2..`max_block_size`.
+    """
+
+    def __init__(self, policy: BlockSizePolicy, trained_block_size: int) -> None:
+        declared = getattr(policy, "max_block_size", getattr(policy, "block_size", trained_block_size))
+        if isinstance(declared, bool) or not isinstance(declared, numbers.Integral) or declared > trained_block_size:
+            raise ValueError(
+                f"The block-size policy {type(policy).__name__} drafts blocks of up to {declared!r} tokens but the "
+                f"drafter was trained on blocks of {trained_block_size}: build it for at most {trained_block_size} "
+                f"(e.g. `AdaptiveBlockSize({trained_block_size})`)."
+            )
+        self.policy = policy
+        self.max_block_size = int(declared)
+
+    def next_block_size(self) -> int:
+        size = self.policy.next_block_size()
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or not 2 <= size <= self.max_block_size:
+            raise ValueError(
+                f"The block-size policy {type(self.policy).__name__} proposed block size {size!r}: "
+                f"`next_block_size()` must return an int in 2..{self.max_block_size}."
+            )
+        return int(size)
+
+    def observe(self, block_size: int, committed: list[int], seconds: float) -> None:
+        self.policy.observe(block_size, committed, seconds)
+
+
 def make_block_size_policy(block_size: int | str | BlockSizePolicy | None, trained_block_size: int) -> BlockSizePolicy:
     """Turn a `block_size` argument (None, an int, `"adaptive"` or a policy object) into a policy."""
     if block_size is None:
@@ -128,7 +160,7 @@ def make_block_size_policy(block_size: int | str | BlockSizePolicy | None, train
             raise ValueError(f"block_size must be an int, 'adaptive' or a BlockSizePolicy, got {block_size!r}.")
         return AdaptiveBlockSize(trained_block_size)
     if hasattr(block_size, "next_block_size") and hasattr(block_size, "observe"):
-        return block_size
+        return BoundedBlockSize(block_size, trained_block_size)
     if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
         raise ValueError(f"block_size must be an int, 'adaptive' or a BlockSizePolicy, got {block_size!r}.")
     size = int(block_size)
