@@ -158,6 +158,10 @@ def generate(
     forward (a two-branch tree, `dflash_hf.engine.tree`); the longer accepted branch is kept. `candidates="dflash"`
     verifies the DFlash block alone, as sampling and prefix-dependent logits processors always do.
 
+    Logits processors outside `dflash_hf.engine.processing.EXACT_PROCESSORS` (e.g. `guidance_scale`, custom
+    `logits_processor` objects) and `inputs_embeds` are refused with a `ValueError`; `stop_strings` need the
+    `tokenizer`; a streamer gets the prompt, then one `(batch,)` tensor per step, as from `model.generate`.
+
     Returns:
         A `(batch, length)` tensor like `model.generate`, or a [`DFlashGenerateOutput`] (sequences + statistics) with
         `return_dict_in_generate=True`.
