@@ -16,6 +16,7 @@ from string import Template
 from typing import Any
 
 from huggingface_hub import ModelCardData
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from dflash_hf.engine.adapters import TARGET_FAMILIES  # target `model_type` -> family part (`family_<name>.md`)
 
@@ -68,6 +69,25 @@ def normalize_metrics(metrics: Mapping[str, Any] | Sequence[Mapping[str, Any]] |
     return rows
 
 
+def _cell(value: Any) -> str:
+    """`value` as one Markdown table cell: on one line, its `|` escaped."""
+    return " ".join(str(value).split()).replace("|", "\\|")
+
+
+def _check_repo_id(repo_id: str) -> None:
+    """Raise a `ValueError` unless `repo_id` is a Hub repo id `org/name` (it goes verbatim into the card's code)."""
+    try:
+        validate_repo_id(repo_id)
+        valid = repo_id.count("/") == 1
+    except HFValidationError:
+        valid = False
+    if not valid:
+        raise ValueError(
+            f"repo_id {repo_id!r} is not a Hub repo id of the form org/name (letters, digits, '-', '_', '.'): pass "
+            "the id the drafter will be published under (`--repo-id org/name`)."
+        )
+
+
 def _results_section(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return (
@@ -79,8 +99,8 @@ def _results_section(rows: list[dict[str, Any]]) -> str:
     columns = [headers[name] for name in optional] + ["tau", "Speedup", "Hardware", "Date"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        cells = [str(row.get(name, "")) for name in optional]
-        cells += [f"{row['tau']:.2f}", f"{row['speedup']:.2f}x", str(row["hardware"]), str(row["date"])]
+        cells = [_cell(row.get(name, "")) for name in optional]
+        cells += [f"{row['tau']:.2f}", f"{row['speedup']:.2f}x", _cell(row["hardware"]), _cell(row["date"])]
         lines.append("| " + " | ".join(cells) + " |")
     return (
         "Measured with this drafter; `tau` is the mean number of tokens committed per target verify step and the "
@@ -91,7 +111,7 @@ def _results_section(rows: list[dict[str, Any]]) -> str:
 def _training_section(training: Mapping[str, Any] | None) -> str:
     if not training:
         return "Training details (data, steps, hyper-parameters) were not recorded with this export."
-    return "\n".join(f"- `{key}`: {value}" for key, value in training.items())
+    return "\n".join(f"- `{key}`: {' '.join(str(value).split())}" for key, value in training.items())  # one line each
 
 
 def render_model_card(
@@ -114,7 +134,8 @@ def render_model_card(
         base_model: Hub id of the target model (`base_model` in the front matter).
         num_parameters: Number of drafter parameters.
         target_config: The target's text config; its `model_type` selects the family notes and tag.
-        repo_id: Hub id the drafter will be published under, for the usage snippets (a local path otherwise).
+        repo_id: Hub id `org/name` the drafter will be published under, for the usage snippets (a placeholder path
+            otherwise); anything else is a `ValueError`.
         format: `"dflash-hf"`, `"official"` or `"speculators"`, the checkpoint layout.
         metrics: Measured benchmark rows (see [`normalize_metrics`]); without them no results are shown.
         training: Recorded training facts (data size, steps, hyper-parameters, wall time), listed as given.
@@ -123,6 +144,8 @@ def render_model_card(
     """
     if format not in FORMAT_NAMES:
         raise ValueError(f"Unknown checkpoint format {format!r}; choose one of {sorted(FORMAT_NAMES)}.")
+    if repo_id is not None:
+        _check_repo_id(repo_id)
     target_model_type = target_config.model_type
     family = TARGET_FAMILIES.get(target_model_type)
     rope = dict(config.rope_parameters or {})
