@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from dflash_hf_launcher import interrupted
+
 # sub-command name -> module implementing it
 COMMAND_MODULES: dict[str, str] = {
     "make-data": "dflash_hf.commands.make_data",
@@ -35,15 +37,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run `dflash-hf` with `argv`; returns the exit code (2 with one `error:` line on bad input)."""
+def _parse(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser (every sub-command imported) and the parsed `argv`."""
     parser = build_parser()
-    argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "train":  # `train` parses its own flags (TRL's parser: --config recipe.yaml + overrides)
         args = parser.parse_args(["train", *(["--help"] if {"-h", "--help"} & set(argv[1:]) else [])])
         args.train_argv = argv[1:]
     else:
         args = parser.parse_args(argv)
+    return parser, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `dflash-hf` with `argv`; returns the exit code (2 with one `error:` line on bad input, 130 with one line
+    on Ctrl-C, also while the sub-commands are being imported)."""
+    try:
+        parser, args = _parse(sys.argv[1:] if argv is None else list(argv))
+    except KeyboardInterrupt:
+        return interrupted()
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
@@ -53,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+        return interrupted()
 
 
 if __name__ == "__main__":

@@ -140,13 +140,37 @@ def add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def device_of(name: str | None) -> torch.device:
+    """The device `--device name` asks for (`None`: cuda when available, else cpu); a `ValueError` naming the fix
+    when it is no device, or one this machine lacks."""
+    from ..runtime import default_device
+
+    name = name or default_device()
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise ValueError(f"--device {name!r} is not a device: use cpu, cuda or cuda:N.") from err
+    if device.type == "meta":
+        raise ValueError("--device meta holds no values to compute with: use cpu, cuda or cuda:N.")
+    if device.type != "cpu":
+        try:
+            torch.empty(0, device=device)
+        except Exception as err:  # noqa: BLE001 - each backend says "absent" its own way (AssertionError, RuntimeError)
+            reason = " ".join(str(err).split()) or type(err).__name__
+            raise ValueError(f"--device {name}: this machine cannot use it ({reason}); use --device cpu.") from err
+    return device
+
+
 def setup_cpu(args: argparse.Namespace, device: torch.device) -> int | None:
     """Apply `--mkl-mode` (before any matmul runs) and `--threads` on a CPU device; returns the thread count (`None`
     on other devices)."""
     from ..runtime import available_cpus, select_mkl_mode
 
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}.")
+    if args.threads is not None and not 1 <= args.threads <= available_cpus():
+        raise ValueError(
+            f"--threads must be between 1 and {available_cpus()} (the CPUs available to this process), got "
+            f"{args.threads}."
+        )
     if device.type != "cpu":
         return None
     threads = args.threads or available_cpus()

@@ -14,8 +14,6 @@ import shlex
 import sys
 from pathlib import Path
 
-import torch
-
 from .. import bench
 from ..modeling import DFlashConfig
 from ..targets import resolve_drafter_dir
@@ -24,6 +22,7 @@ from . import (
     add_model_arguments,
     comma_separated_floats,
     comma_separated_ints,
+    device_of,
     load_models,
     setup_cpu,
 )
@@ -203,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _check(args)
     drafter_dir = resolve_drafter_dir(args.target, args.drafter)
-    device = torch.device(args.device)
+    device = device_of(args.device)
     threads = setup_cpu(args, device)
 
     max_block = int(DFlashConfig.from_pretrained(drafter_dir).block_size)  # no method verifies a larger block

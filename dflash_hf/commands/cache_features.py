@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from . import add_tap_arguments, target_layer_ids_of
+from . import add_tap_arguments, device_of, target_layer_ids_of
 
 
 def register(subparsers) -> None:
@@ -43,11 +43,11 @@ def run(args: argparse.Namespace) -> int:
     """Run `cache-features`; returns the exit code."""
     from ..data.features import cache_features
     from ..data.make import load_training_data
-    from ..runtime import default_device, inference_dtype
+    from ..runtime import inference_dtype
     from ..targets import load_target
 
     data = load_training_data(args.data)
-    device = args.device or default_device()
+    device = device_of(args.device)
     dtype, why = inference_dtype(args.dtype, device)
     print(f"cache-features: target in {str(dtype).removeprefix('torch.')} ({why})", file=sys.stderr)
     target, _ = load_target(args.target, dtype=dtype, device=device)

@@ -24,9 +24,9 @@ from ..engine.generation import generate
 from ..engine.generation_call import CANDIDATE_SOURCES, DEFAULT_CANDIDATES
 from ..engine.tree import verify_width
 from ..modeling import DFlashConfig
-from ..runtime import Stopwatch, default_device, mkl_choice, mkl_mode
+from ..runtime import Stopwatch, mkl_choice, mkl_mode
 from ..targets import resolve_drafter_dir
-from . import add_cpu_arguments, add_model_arguments, load_models, setup_cpu
+from . import add_cpu_arguments, add_model_arguments, device_of, load_models, setup_cpu
 
 T = TypeVar("T")
 WARMUP_PROMPT_TOKENS = 16
@@ -102,9 +102,25 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, prompt: str, use_template: bool) -> dict[str, torch.Tensor]:
-    """`input_ids` and `attention_mask` of one prompt (chat template when asked for and the tokenizer has one)."""
-    ids = torch.tensor([encode_prompt(tokenizer, prompt, use_template and bool(tokenizer.chat_template))])
+    """`input_ids` and `attention_mask` of one prompt (chat template when asked for and the tokenizer has one); a
+    `ValueError` for a prompt of no tokens."""
+    use_template = use_template and bool(tokenizer.chat_template)
+    ids = torch.tensor([encode_prompt(tokenizer, prompt, use_template)], dtype=torch.long)
+    if ids.shape[1] == 0:
+        how = "" if use_template else " (or drop --no-chat-template where the target has a chat template)"
+        raise ValueError(f"The prompt {prompt!r} encodes to no tokens: pass a non-empty prompt{how}.")
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def _check_prompt_text(prompt: str) -> None:
+    """Raise a `ValueError` unless the prompt argument is text (Python keeps undecodable argv bytes as surrogates)."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"The prompt holds bytes that are not UTF-8 text (at character {err.start}): pass the prompt as UTF-8 "
+            "(check the terminal's or the calling script's encoding)."
+        ) from err
 
 
 def _timed(device: torch.device, fn: Callable[[], T]) -> tuple[T, float]:
@@ -120,9 +136,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
     if args.lookup_tokens is not None and args.lookup_tokens < 1:
         raise ValueError(f"--lookup-tokens must be >= 1, got {args.lookup_tokens}.")
+    _check_prompt_text(args.prompt)
     sampling = _sampling_kwargs(args)
     drafter_dir = resolve_drafter_dir(args.target, args.drafter)
-    device = torch.device(args.device or default_device())
+    device = device_of(args.device)
     setup_cpu(args, device)
 
     drafter_config = DFlashConfig.from_pretrained(drafter_dir)

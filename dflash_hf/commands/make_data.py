@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from . import add_tap_arguments, target_layer_ids_of
+from . import add_tap_arguments, device_of, target_layer_ids_of
 
 
 def register(subparsers) -> None:
@@ -59,7 +59,6 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run `make-data`; returns the exit code."""
     from ..data.make import check_output_folder, make_data
-    from ..runtime import default_device
     from ..targets import load_target
 
     if args.max_samples is not None and args.max_samples < 1:
@@ -67,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if args.turn < 1:
         raise ValueError(f"--turn must be >= 1 (1 = the first user turn), got {args.turn}.")
     check_output_folder(args.out)  # before the (slow) target load
-    target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device or default_device())
+    target, tokenizer = load_target(args.target, dtype=args.dtype, device=device_of(args.device))
     manifest = make_data(
         target,
         tokenizer,

@@ -20,7 +20,7 @@ from ..bench.profile import DEFAULT_TOKEN_COUNTS, measure_costs, plot_profiles
 from ..bench.run import hardware_info
 from ..fileio import atomic_write, atomic_write_text
 from ..targets import resolve_drafter_dir
-from . import add_cpu_arguments, add_model_arguments, comma_separated_ints, load_models, setup_cpu
+from . import add_cpu_arguments, add_model_arguments, comma_separated_ints, device_of, load_models, setup_cpu
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--context and --repeats must be >= 1.")
     if args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} exists and is not a folder: pass a folder path.")
-    device = torch.device(args.device)
+    device = device_of(args.device)
     setup_cpu(args, device)
     drafter_dir = resolve_drafter_dir(args.target, args.drafter)
     profiles = []
