@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import GEMMA_SLIDING_WINDOW, make_drafter, make_target
+from conftest import GEMMA_SLIDING_WINDOW, make_drafter, make_oracle, make_target
 from test_targets import make_llama, save_tiny_target
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, cli, generate, mkl_choice, runtime, targets
@@ -20,6 +20,7 @@ from dflash_hf.commands import generate as generate_command
 from dflash_hf.commands import load_models
 from dflash_hf.engine import row_exact
 from dflash_hf.mkl_choice import measure as real_measure  # before the autouse stand-in replaces it
+from dflash_hf.runtime import native_bf16_feature as real_native_bf16_feature  # the real one, too
 
 PROMPTS = [[1, 5, 9, 12, 5, 9, 3, 3], [1, 7, 7, 3, 30, 31, 7, 7, 40, 41, 42]]
 
@@ -103,6 +104,22 @@ def test_quirky_linear_is_detected_and_recomputed_row_by_row():
     assert row_exact.block_rows_match_decode(target, 4, seed=5)
 
 
+@pytest.mark.parametrize("candidates", ["dflash", "dflash+lookup"])
+def test_engine_with_a_quirky_linear_equals_plain_bf16_greedy(candidates):
+    """On every CPU, whatever its own bf16 kernels do: with a linear whose multi-row kernel rounds differently (planted
+    here), the engine's block and tree verifies still give plain bf16 greedy's tokens. (The bf16 tests that skip where
+    `install` finds a host's kernels cannot be made row-exact rest on this guarantee; this test never skips.)"""
+    reference_target, target = _bf16_target("llama"), _bf16_target("llama")
+    for model in (reference_target, target):
+        _with_quirky_down_proj(model)
+    prompt = torch.tensor([PROMPTS[1]])
+    expected = reference_target.generate(prompt, max_new_tokens=40, do_sample=False)
+    corrupt = {(pos, slot) for pos in range(80) for slot in range(1, 4) if (pos + slot) % 3 == 0}
+    drafter = make_oracle(target, [expected[0].tolist()], corrupt=corrupt).to(torch.bfloat16)
+    out = generate(target, drafter, prompt, max_new_tokens=40, do_sample=False, candidates=candidates)
+    assert row_exact.install(target, 4) and torch.equal(out, expected)
+
+
 def test_engine_warns_when_bf16_verification_cannot_be_exact(monkeypatch):
     target = _bf16_target("llama")
     drafter = make_drafter(target).to(torch.bfloat16)
@@ -116,6 +133,17 @@ def test_float32_targets_are_left_alone():
     drafter = make_drafter(target)
     generate(target, drafter, torch.tensor([PROMPTS[0]]), max_new_tokens=4, do_sample=False)
     assert target.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize(
+    ("amx", "avx512_bf16", "expected"),
+    [(False, False, None), (False, True, "AVX512-BF16"), (True, True, "AMX-BF16")],
+    ids=["AVX2 EPYC or AVX-512 Xeon", "AVX512-BF16 EPYC", "AMX Xeon"],
+)
+def test_native_bf16_feature_names_the_cpus_bf16_unit(monkeypatch, amx, avx512_bf16, expected):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    assert real_native_bf16_feature() == expected
 
 
 @pytest.mark.parametrize(
