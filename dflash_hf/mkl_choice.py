@@ -140,7 +140,6 @@ def measured_mode(threads: int, cache: Path) -> tuple[str, dict]:
     key = verdict_key(threads)
     verdict = verdicts.get(key)
     if not isinstance(verdict, dict) or verdict.get("mode") not in candidates():
-        print("measuring MKL's float32 code paths once for this machine ...", file=sys.stderr, flush=True)
         timings = measure(candidates(), threads)
         verdict = {
             "mode": fastest(timings),
