@@ -49,7 +49,7 @@ from transformers import (
 )
 
 from .drafter_folder import check_drafter_folder
-from .fileio import discard, set_ordinary_mode
+from .fileio import discard, read_json, set_ordinary_mode
 from .runtime import resolve_dtype
 from .special_tokens import first_token_id, token_ids
 
@@ -368,6 +368,14 @@ def is_hub_id(name: str | os.PathLike) -> bool:
     return True
 
 
+def check_target_config(folder: str | os.PathLike) -> None:
+    """Raise a `ValueError` naming the file when a local target folder's `config.json` is no readable JSON (one
+    nested too deeply would be a `RecursionError` inside Transformers' reader)."""
+    path = Path(folder) / "config.json"
+    if path.is_file():
+        read_json(path, "restore the target folder's config.json from its source.")
+
+
 def configure_generation(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
     """Make `model.generation_config` usable as is: every EOS id the model or tokenizer declares, and a pad id.
 
@@ -415,6 +423,8 @@ def load_target(
             f"Target {source!r} is neither a named target ({', '.join(TARGETS)}), nor an existing folder, nor a Hub "
             "id of the form `org/name`."
         )
+    else:
+        check_target_config(source)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, device))
         tokenizer = AutoTokenizer.from_pretrained(source)

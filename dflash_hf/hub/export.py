@@ -31,7 +31,7 @@ from ..engine.adapters import TargetAdapter
 from ..fileio import atomic_write_folder, set_ordinary_mode
 from ..hub_cards import render_model_card
 from ..modeling import DFlashConfig, DFlashDraftModel
-from ..targets import TARGETS, is_hub_id, resolve_target_dir
+from ..targets import TARGETS, check_target_config, is_hub_id, resolve_target_dir
 from .gguf import write_gguf
 from .layout import DFLASH_HF_AUTO_MAP, foreign_entries, remote_code
 from .official import to_official_config
@@ -51,6 +51,7 @@ def _target_config(target: PreTrainedModel | PreTrainedConfig | str | os.PathLik
     elif isinstance(target, PreTrainedConfig):
         config = target
     elif isinstance(target, (str, os.PathLike)):
+        check_target_config(target)
         config = AutoConfig.from_pretrained(str(target))
     else:
         raise ValueError(
