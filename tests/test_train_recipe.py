@@ -220,15 +220,18 @@ def test_init_from_target_copies_the_top_layers(tiny, tmp_path):
         initialise_from_target(drafter, make_tiny_target("gemma3"))
 
 
-def test_muon_optimises_matrices_and_adamw_the_rest(tiny, tmp_path):
+@pytest.mark.parametrize("native", [None, "AMX-BF16"])
+def test_muon_optimises_matrices_and_adamw_the_rest(native, tiny, tmp_path, monkeypatch):
+    """Muon for the 2-D weights, AdamW for the rest; on a CPU without native bf16 Muon orthogonalises in float32."""
     target, tok, data = tiny
+    monkeypatch.setattr("dflash_hf.runtime.native_bf16_feature", lambda: native)
     trainer = DFlashTrainer(
         args=config(tmp_path, muon=True, max_steps=2), target=target, train_dataset=data, processing_class=tok
     )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
-    assert isinstance(opt, MuonWithAdamW)
+    assert isinstance(opt, MuonWithAdamW) and opt.newton_schulz_float32 == (native is None)
     muon, adamw = opt._inner
     assert isinstance(muon, torch.optim.Muon) and all(p.ndim == 2 for p in muon.param_groups[0]["params"])
     assert isinstance(adamw, torch.optim.AdamW) and all(p.ndim == 1 for p in adamw.param_groups[0]["params"])
