@@ -122,7 +122,7 @@ def test_target_hub_id_is_required_for_the_card(qwen_pair, tmp_path):
     with pytest.raises(ValueError, match="base_model='org/name'"):
         dflash_hf.export(drafter, tmp_path / "d", target=target, base_model="/not/a/hub id")
     with pytest.raises(ValueError, match="Unknown export format"):
-        dflash_hf.export(drafter, tmp_path / "d", target=target, base_model="Qwen/Qwen3-8B", format="gguf")
+        dflash_hf.export(drafter, tmp_path / "d", target=target, base_model="Qwen/Qwen3-8B", format="onnx")
     assert list(tmp_path.iterdir()) == []
 
 
