@@ -21,15 +21,6 @@ MAX_NEW = 12
 ENGINE_BLOCKS = ["dflash_b4", "dflash_b8"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models run fastest on one thread (and the CLI sets its own thread count): restore it afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def setup():
     """A tiny LLaMA target and an oracle drafter (block 8) that proposes the target's own greedy continuation."""
