@@ -19,7 +19,7 @@ from dflash_hf.modeling import DFlashDraftModel
 
 import dflash_hf
 from dflash_hf.cli import main as cli_main
-from dflash_hf.targets import TARGETS, bundled_drafter_dir
+from dflash_hf.targets import TARGETS, TargetSpec, bundled_drafter_dir
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 F32 = gguf.GGMLQuantizationType.F32
@@ -318,6 +318,13 @@ def test_refusals(tiny, tmp_path):
         refusal(odd, target_path, tmp_path, match)
     other = make_drafter(make_target("qwen3", vocab_size=32))
     refusal(other, target_path, tmp_path, "pass the GGUF of the drafter's target")
+
+
+def test_named_target_without_a_gguf_file(tiny, tmp_path, monkeypatch):
+    _, drafter, _ = tiny
+    spec = TargetSpec("tiny-llama", description="tiny", distribution="pytest", load_source=lambda scratch: None)
+    monkeypatch.setitem(TARGETS, "tiny-llama", spec)
+    refusal(drafter, "tiny-llama", tmp_path, "ships no GGUF file")
 
 
 def test_overwrite_replaces_only_an_earlier_drafter_export(tiny, tmp_path):

@@ -133,6 +133,8 @@ def target_gguf_file(target: str | os.PathLike) -> Iterator[Path]:
             )
         yield path
         return
+    if spec.gguf_file is None:
+        raise ValueError(f"The named target {name!r} ships no GGUF file: pass the target's .gguf file as the target.")
     with tempfile.TemporaryDirectory(prefix="dflash-hf-target-gguf-") as scratch:
         yield spec.gguf_file(Path(scratch))
 
