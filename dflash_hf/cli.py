@@ -23,6 +23,7 @@ COMMAND_MODULES: dict[str, str] = {
     "push": "dflash_hf.commands.push",
     "bench": "dflash_hf.commands.bench",
     "profile": "dflash_hf.commands.profile",
+    "results-doc": "dflash_hf.commands.results_doc",
 }
 
 
