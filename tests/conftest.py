@@ -31,6 +31,9 @@ from transformers import (
 from dflash_hf import DFlashConfig, DFlashDraftModel, runtime
 
 torch.set_num_threads(1)  # tiny models: one thread is fastest and deterministic
+# MKL fixes its float32 code path at the process's first matmul (from `MKL_CBWR`): take it here, from the environment
+# the suite was started in, so a test that sets `MKL_CBWR` for its commands changes only their subprocesses
+torch.ones(2, 2) @ torch.ones(2, 2)
 
 
 @pytest.fixture(autouse=True)
