@@ -279,6 +279,11 @@ class DFlashDecoderLayer(GradientCheckpointingLayer):
         return residual + hidden_states
 
 
+class DFlashMarkovEmbedding(nn.Embedding):
+    """The Markov head's `markov_w1`: starts with unit-variance rows (`nn.Embedding`'s own init), so that the first
+    updates of the zero-initialised `markov_w2` already move the logits; see `_init_weights`."""
+
+
 class DFlashZeroInitLinear(nn.Linear):
     """A linear layer whose weights start at zero (the Markov head's `markov_w2`); see `_init_weights`."""
 
@@ -296,7 +301,7 @@ class DFlashMarkovHead(nn.Module):
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
         rank = int(config.markov_rank)
-        self.markov_w1 = nn.Embedding(int(config.vocab_size), rank)
+        self.markov_w1 = DFlashMarkovEmbedding(int(config.vocab_size), rank)
         self.markov_w2 = DFlashZeroInitLinear(rank, int(config.draft_vocab_size or config.vocab_size), bias=False)
         self.gate_proj = nn.Linear(config.hidden_size + rank, rank) if config.markov_gated else None
 
@@ -339,7 +344,9 @@ class DFlashPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
-        if isinstance(module, DFlashZeroInitLinear):  # a new Markov head leaves the drafter's logits unchanged
+        if isinstance(module, DFlashMarkovEmbedding):
+            init.normal_(module.weight, mean=0.0, std=1.0)
+        elif isinstance(module, DFlashZeroInitLinear):  # a new Markov head leaves the drafter's logits unchanged
             init.zeros_(module.weight)
 
     @classmethod

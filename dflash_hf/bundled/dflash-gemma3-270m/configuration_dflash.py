@@ -93,6 +93,12 @@ def _config_dict_from_official(config_dict: dict) -> dict:
             "This official-format DFlash config has no `block_size` (top level or in `dflash_config`): add the block "
             "size the drafter was trained with."
         )
+    if config_dict.get("sample_from_anchor") is True:
+        raise ValueError(
+            "This config sets `sample_from_anchor: true` (DeepSpec's DSpark convention: the anchor's own output "
+            "predicts the next token). A DFlash drafter's slot k predicts the token at anchor + k and slot 0 is never "
+            "drafted, so this checkpoint cannot be read as one."
+        )
     values = {key: value for key, value in config_dict.items() if key not in _OFFICIAL_ONLY_KEYS}
     values.update(
         target_layer_ids=list(dflash["target_layer_ids"]),
@@ -112,6 +118,11 @@ def markov_fields(markov_rank: int, markov_head_type: str) -> dict:
             f"{sorted(MARKOV_HEAD_TYPES)} (DSpark's recurrent 'rnn' head and correction heads are not)."
         )
     return {"markov_rank": int(markov_rank), "markov_gated": MARKOV_HEAD_TYPES[markov_head_type]}
+
+
+def markov_head_type(config: "DFlashConfig") -> str:
+    """DSpark's name (`markov_head_type`) of the variant of `config`'s Markov head."""
+    return next(name for name, gated in MARKOV_HEAD_TYPES.items() if gated == bool(config.markov_gated))
 
 
 class DFlashConfig(PreTrainedConfig):
@@ -348,4 +359,4 @@ class DFlashConfig(PreTrainedConfig):
         return cls(**values)
 
 
-__all__ = ["MARKOV_HEAD_TYPES", "DFlashConfig", "default_target_layer_ids", "markov_fields"]
+__all__ = ["MARKOV_HEAD_TYPES", "DFlashConfig", "default_target_layer_ids", "markov_fields", "markov_head_type"]
