@@ -171,6 +171,7 @@ class GenerationCall:
         self.mask_token_id = int(drafter.config.mask_token_id)
         draft_ids = getattr(drafter, "draft_token_ids", None)
         self.draft_token_ids = None if draft_ids is None else draft_ids.to(self.device)
+        self.markov_head = getattr(drafter, "markov_head", None)
         pad = first_token_id(
             getattr(generation_config, "_pad_token_tensor", None),
             generation_config.pad_token_id,
@@ -219,12 +220,20 @@ class GenerationCall:
             return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         return scores.argmax(dim=-1)
 
-    def _propose(self, draft_logits: torch.Tensor, rows: list[int]):
+    def _propose(
+        self,
+        draft_logits: torch.Tensor,
+        rows: list[int],
+        markov_inputs: tuple[torch.LongTensor, torch.Tensor] | None = None,
+    ):
         """Draft tokens (and their proposal distributions when sampling) from per-slot drafter logits.
 
         When sampling with the `argmax` proposal the drafted tokens are the processed argmax and the proposal
         distribution is a point mass on them: the rejection sampler then accepts `d` with probability `p(d)` and on
         rejection samples from `p` with `d` removed, which is exactly the target's distribution.
+
+        `markov_inputs` `(anchors, slot hidden states)`: the drafter has a Markov head, so the slots are drafted one
+        after another (`_draft_chain`).
 
         A slot with non-finite logits (a diverged or overflowing drafter) proposes nothing: its logits are zeroed so
         that drafting stays well-defined, and (sampling) its proposal distribution is zero, which `rejection_sample`
@@ -232,19 +241,42 @@ class GenerationCall:
         """
         finite = torch.isfinite(draft_logits).all(dim=-1)
         draft_logits = torch.where(finite[..., None], draft_logits, torch.zeros_like(draft_logits))
-        tokens, probs = self._draft_tokens(draft_logits, rows)
+        if markov_inputs is None:
+            tokens, probs = self._draft_tokens(draft_logits, rows)
+        else:
+            tokens, probs = self._draft_chain(draft_logits, rows, *markov_inputs)
         if self.do_sample and probs is None:
             probs = torch.nn.functional.one_hot(tokens, self.adapter.vocab_size).to(torch.float32)
         if self.do_sample:
             probs = probs * finite[..., None]
         return tokens, probs
 
-    def _draft_tokens(self, draft_logits: torch.Tensor, rows: list[int]):
+    def _draft_chain(self, draft_logits: torch.Tensor, rows: list[int], anchors, hidden_states: torch.Tensor):
+        """Slots drafted in order through the drafter's Markov head: slot `k`'s logits plus the head's correction for
+        the token drafted at slot `k - 1` (the anchor for slot 1), then chosen like any slot's (`_draft_tokens`).
+
+        Greedy: each slot's argmax given the argmax before it. Sampling: each slot is drawn from its corrected
+        distribution given the token drawn before it, and those exact conditional distributions are the proposal
+        distributions returned, which keeps rejection sampling exact.
+        """
+        tokens, probs = draft_logits.new_empty(draft_logits.shape[:2], dtype=torch.long), []
+        previous = anchors
+        for slot in range(draft_logits.shape[1]):
+            bias = self.markov_head(previous[:, None], hidden_states[:, slot : slot + 1])
+            bias = bias.to(draft_logits.dtype).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # a diverged head: no say
+            corrected = draft_logits[:, slot : slot + 1] + bias
+            token, prob = self._draft_tokens(corrected, rows, drafted=tokens[:, :slot])
+            tokens[:, slot] = previous = token[:, 0]
+            probs.append(prob)
+        return tokens, None if probs[0] is None else torch.cat(probs, dim=1)
+
+    def _draft_tokens(self, draft_logits: torch.Tensor, rows: list[int], drafted: torch.LongTensor | None = None):
         """The drafted tokens, and the per-slot distributions they were sampled from (`None` when they are argmaxes).
 
         With a reduced draft vocabulary, an argmax without processors maps back to target ids directly; otherwise the
         logits are spread over the full vocabulary (-inf outside the draft vocabulary) so that processors and the
-        rejection sampler see ordinary distributions.
+        rejection sampler see ordinary distributions. `drafted`: tokens drafted before these slots, which
+        prefix-dependent processors see after the row's sequence.
         """
         if self.draft_token_ids is not None:
             if self.process.is_identity and not self.sample_slots:
@@ -262,10 +294,11 @@ class GenerationCall:
         batch, slots, _ = draft_logits.shape
         tokens = torch.empty(batch, slots, dtype=torch.long, device=draft_logits.device)
         probs = torch.empty_like(draft_logits) if self.sample_slots else None
+        drafted = tokens[:, :0] if drafted is None else drafted
         for i, row in enumerate(rows):
             sequence = self.sequences[row, : self.lengths[row]]
             for slot in range(slots):
-                prefix = torch.cat([sequence, tokens[i, :slot]])
+                prefix = torch.cat([sequence, drafted[i], tokens[i, :slot]])
                 scores = self.process.for_row(row, prefix[None], draft_logits[i, slot][None])[0]
                 if self.sample_slots:
                     probs[i, slot] = torch.softmax(scores, dim=-1)
@@ -394,7 +427,9 @@ class GenerationCall:
             )
             truncate_cache(self.draft_cache, state.mask.shape[1])
             draft_logits = self.adapter.logits(out.last_hidden_state[:, 1:], self.draft_token_ids)
-            return self._propose(draft_logits, state.rows)
+            if self.markov_head is None:
+                return self._propose(draft_logits, state.rows)
+            return self._propose(draft_logits, state.rows, (state.anchors, out.last_hidden_state[:, 1:]))
 
     def _realign(self, state: _ActiveRows) -> None:
         """3. Shift right the rows that committed fewer tokens last cycle (both caches now have the same layout)."""
