@@ -5,6 +5,12 @@ An official checkpoint is a plain Qwen3-style `config.json` (`model_type: "qwen3
 `num_hidden_layers`, `num_target_layers`, `block_size` and `dflash_config: {"mask_token_id", "target_layer_ids"}`.
 Tensor names are the same unprefixed names as ours, so only the config differs.
 
+A Markov head (`DFlashConfig.markov_rank`) travels as its tensors `markov_head.markov_w1.weight`,
+`markov_head.markov_w2.weight` (and `markov_head.gate_proj.*` when gated) with DSpark's fields in `dflash_config`:
+`markov_rank` and `markov_head_type` (`"vanilla"` or `"gated"`), plus `sample_from_anchor: false` at the top level
+(DSpark readers' name for this drafter's slot convention: slot 0 is the anchor, drafts start at slot 1). Readers that
+know only plain DFlash may refuse the extra tensors; the dflash-hf remote code reads them back.
+
 Reading is done by the remote code itself (`DFlashConfig.get_config_dict` / `DFlashConfig.from_dict` map an official
 dict onto [`DFlashConfig`]), so that a checkpoint loads without this package; this module writes the format.
 """
@@ -16,6 +22,7 @@ from typing import Any
 import transformers
 
 from ..modeling import DFlashConfig
+from ..modeling.configuration_dflash import markov_head_type
 
 OFFICIAL_MODEL_TYPE = "qwen3"
 OFFICIAL_ARCHITECTURE = "DFlashDraftModel"
@@ -79,6 +86,9 @@ def to_official_config(config: DFlashConfig) -> dict[str, Any]:
         official["num_target_layers"] = int(config.num_target_layers)
     if config.draft_vocab_size is not None:  # with the `d2t` tensor, as EAGLE-3-style readers expect
         official["draft_vocab_size"] = int(config.draft_vocab_size)
+    if config.markov_rank:
+        official["dflash_config"].update(markov_rank=int(config.markov_rank), markov_head_type=markov_head_type(config))
+        official["sample_from_anchor"] = False
     return official
 
 

@@ -17,6 +17,13 @@ vLLM serves DFlash drafters in the format of its `speculators` library (`DFlashS
   over the target vocabulary). speculators' own converter of the official layout keeps none of these (it drafts over
   the full vocabulary, which is not the drafter we trained), so this format is written directly from the drafter.
 
+A drafter with a Markov head is written as speculators' DSpark model (`speculators_model_type: "dspark"`,
+`architectures: ["DSparkDraftModel"]`, the same fields plus `markov_rank`, `markov_head_type`,
+`enable_confidence_head: false` and `sample_from_anchor: false`, our slot convention), its head tensors under their
+DSpark names `markov_head.markov_w1.weight` `[verifier vocabulary, rank]`, `markov_head.markov_w2.weight`
+`[draft_vocab_size, rank]` and, gated, `markov_head.gate_proj.{weight,bias}`. llama.cpp's converter reads this
+layout too (its `DSparkModel`, vanilla heads only).
+
 Not representable: targets that scale their input embedding (Gemma multiplies by sqrt(hidden)) or softcap their
 logits, because speculators embeds the block with a plain embedding and projects with a plain head; exporting such a
 drafter in this format raises a `ValueError` (use the official or dflash-hf layout).
@@ -36,10 +43,13 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..modeling import DFlashConfig, DFlashDraftModel
+from ..modeling.configuration_dflash import markov_fields, markov_head_type
 from .official import DRAFT_LAYER_KEYS
 
 # The speculators release whose DFlash format this module writes and `examples/interop/` checks.
 SPECULATORS_VERSION = "0.9.0"
+# `speculators_model_type` of a drafter without and with a Markov head.
+SPECULATORS_MODEL_TYPES = ("dflash", "dspark")
 
 
 def check_speculators_target(config: DFlashConfig, target: PreTrainedModel) -> None:
@@ -82,9 +92,18 @@ def to_speculators_config(config: DFlashConfig, target: PreTrainedModel, base_mo
         "tie_word_embeddings": False,
     }
     block_size = int(config.block_size)
+    algorithm = SPECULATORS_MODEL_TYPES[bool(config.markov_rank)]
+    markov = {}
+    if config.markov_rank:
+        markov = {
+            "markov_rank": int(config.markov_rank),
+            "markov_head_type": markov_head_type(config),
+            "enable_confidence_head": False,
+            "confidence_head_with_markov": False,
+        }
     return {
-        "architectures": ["DFlashDraftModel"],
-        "speculators_model_type": "dflash",
+        "architectures": ["DSparkDraftModel" if config.markov_rank else "DFlashDraftModel"],
+        "speculators_model_type": algorithm,
         "speculators_version": SPECULATORS_VERSION,
         "transformer_layer_config": transformer_layer_config,
         "draft_vocab_size": int(config.draft_vocab_size or vocab_size),
@@ -95,8 +114,9 @@ def to_speculators_config(config: DFlashConfig, target: PreTrainedModel, base_mo
         "sample_from_anchor": False,
         "sliding_window_non_causal": False,
         "tie_word_embeddings": False,
+        **markov,
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": algorithm,
             "default_proposal_method": "greedy",
             "proposal_methods": [
                 {
@@ -135,8 +155,8 @@ def speculators_state_dict(drafter: DFlashDraftModel, target: PreTrainedModel) -
 
 
 def is_speculators_config_dict(config_dict: dict) -> bool:
-    """Whether `config_dict` is a speculators DFlash config."""
-    return config_dict.get("speculators_model_type") == "dflash"
+    """Whether `config_dict` is a speculators DFlash config (or DSpark: DFlash with a Markov head)."""
+    return config_dict.get("speculators_model_type") in SPECULATORS_MODEL_TYPES
 
 
 def config_from_speculators(config_dict: dict) -> DFlashConfig:
@@ -146,6 +166,15 @@ def config_from_speculators(config_dict: dict) -> DFlashConfig:
     missing += [f"transformer_layer_config.{key}" for key in (*DRAFT_LAYER_KEYS, "vocab_size") if key not in layers]
     if missing:
         raise ValueError(f"The speculators DFlash config lacks {', '.join(missing)}; re-export the drafter.")
+    if config_dict.get("sample_from_anchor") or config_dict.get("enable_confidence_head"):
+        raise ValueError(
+            "This speculators config samples from the anchor (`sample_from_anchor`, DeepSpec's convention) or carries a "
+            "confidence head (`enable_confidence_head`); a DFlash drafter's slot k predicts the token at anchor + k and "
+            "has no confidence head."
+        )
+    markov = {}
+    if config_dict.get("speculators_model_type") == "dspark" and config_dict.get("markov_rank"):
+        markov = markov_fields(int(config_dict["markov_rank"]), config_dict.get("markov_head_type", "vanilla"))
     vocab_size = int(layers["vocab_size"])
     draft_vocab_size = int(config_dict.get("draft_vocab_size") or vocab_size)
     return DFlashConfig(
@@ -156,6 +185,7 @@ def config_from_speculators(config_dict: dict) -> DFlashConfig:
         block_size=int(config_dict["block_size"]),
         mask_token_id=int(config_dict["mask_token_id"]),
         target_layer_ids=[int(i) - 1 for i in config_dict["aux_hidden_state_layer_ids"]],
+        **markov,
     )
 
 
@@ -198,6 +228,7 @@ def check_speculators_folder(folder: str | os.PathLike) -> None:
 
 
 __all__ = [
+    "SPECULATORS_MODEL_TYPES",
     "SPECULATORS_VERSION",
     "check_speculators_folder",
     "check_speculators_target",
