@@ -1,0 +1,493 @@
+"""The Markov head (DSpark's): its config and layouts, a new head's zero start, exact greedy and sampled outputs when
+slots are drafted one after another through it, and teacher-forced training with the backbone frozen or joint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import VOCAB, greedy_reference, make_drafter, make_target
+from dflash_hf.trainers import DFlashDataCollator, DFlashTrainer, sample_anchors
+from dflash_hf.trainers.masks import build_blocks
+from safetensors.torch import load_file
+from test_sampling import _bound, _chi_square, _exact_joint_of_tokens_2_and_3, _tiny_models
+from test_train_helpers import make_tiny_target, make_tokenizer, one_thread, tiny_train_config, write_prompts
+
+import dflash_hf
+import dflash_hf.engine.generation_call as generation_call
+from dflash_hf import DFlashConfig, DFlashDraftModel
+from dflash_hf.data.make import load_training_data, make_data
+from dflash_hf.hub.speculators import config_from_speculators
+
+BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+MAX_NEW = 24
+MARKOV_TENSORS = {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"}
+GATE_TENSORS = {"markov_head.gate_proj.weight", "markov_head.gate_proj.bias"}
+
+
+def random_head(drafter: DFlashDraftModel, seed: int = 0, std: float = 3.0) -> DFlashDraftModel:
+    """Give the drafter's head trained-looking (random, non-zero) weights."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in drafter.markov_head.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
+    return drafter
+
+
+def bigram_head(drafter: DFlashDraftModel, continuations: list[list[int]]) -> DFlashDraftModel:
+    """A head (rank = vocabulary) that learned the continuations' bigrams: after token `a` it pushes `b` up strongly
+    wherever `a b` occurs, so that its chained drafts are often what the target says."""
+    with torch.no_grad():
+        drafter.markov_head.markov_w1.weight.copy_(torch.eye(VOCAB))
+        w2 = drafter.markov_head.markov_w2.weight
+        w2.zero_()
+        for tokens in continuations:
+            for previous, token in zip(tokens, tokens[1:]):
+                w2[token, previous] = 60.0
+    return drafter
+
+
+def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, prompt in enumerate(prompts):
+        input_ids[i, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[i, width - len(prompt) :] = 1
+    return input_ids, attention_mask
+
+
+def record_proposals(monkeypatch) -> list[dict]:
+    """Record every `_propose` call of the engine: its inputs, its drafts, the call's sequences at that moment and its
+    logits processors."""
+    calls = []
+    real = generation_call.GenerationCall._propose
+
+    def recording(self, draft_logits, rows, markov_inputs=None):
+        sequences = [self.sequences[row, : self.lengths[row]].clone() for row in rows]
+        tokens, probs = real(self, draft_logits, rows, markov_inputs)
+        calls.append(
+            dict(
+                logits=draft_logits,
+                markov_inputs=markov_inputs,
+                tokens=tokens,
+                rows=list(rows),
+                sequences=sequences,
+                process=self.process,
+            )
+        )
+        return tokens, probs
+
+    monkeypatch.setattr(generation_call.GenerationCall, "_propose", recording)
+    return calls
+
+
+# ---------------------------------------------------------------------------------------------------- config
+
+
+def test_config_round_trip_and_checks(tmp_path):
+    target = make_target("qwen3")
+    config = DFlashConfig.from_target(target.config, num_target_features=2, markov_rank=8, markov_gated=True)
+    back = DFlashConfig.from_dict(config.to_dict())
+    assert (back.markov_rank, back.markov_gated) == (8, True)
+    config.save_pretrained(tmp_path)
+    loaded = DFlashConfig.from_pretrained(tmp_path)
+    assert (loaded.markov_rank, loaded.markov_gated) == (8, True)
+    plain = DFlashConfig.from_target(target.config, num_target_features=2)
+    assert (plain.markov_rank, plain.markov_gated) == (0, False)
+    assert DFlashDraftModel(plain).markov_head is None
+    values = plain.to_dict()
+    with pytest.raises(ValueError, match="markov_rank must be an int >= 0"):
+        DFlashConfig(**{**values, "markov_rank": -1})
+    with pytest.raises(ValueError, match="markov_gated needs a Markov head"):
+        DFlashConfig(**{**values, "markov_gated": True})
+    with pytest.raises(ValueError, match="vocab_size"):
+        DFlashConfig(**{**values, "markov_rank": 4, "vocab_size": None})
+
+
+def test_head_shapes_follow_the_draft_vocabulary():
+    """`markov_w1` is indexed by target ids, `markov_w2` maps onto the draft vocabulary (llama.cpp's shapes)."""
+    target = make_target("llama")
+    drafter = make_drafter(target, draft_vocab_size=24, markov_rank=8, markov_gated=True)
+    shapes = {name: tuple(t.shape) for name, t in drafter.state_dict().items() if name.startswith("markov_head.")}
+    hidden = target.config.hidden_size
+    assert shapes == {
+        "markov_head.markov_w1.weight": (VOCAB, 8),
+        "markov_head.markov_w2.weight": (24, 8),
+        "markov_head.gate_proj.weight": (8, hidden + 8),
+        "markov_head.gate_proj.bias": (8,),
+    }
+    with pytest.raises(ValueError, match="already has a Markov head"):
+        drafter.add_markov_head(8)
+    with pytest.raises(ValueError, match="needs the slots' hidden states"):
+        drafter.markov_head(torch.tensor([[3]]))
+
+
+# ---------------------------------------------------------------------------------------------------- inference
+
+
+@pytest.mark.parametrize("added", [False, True])
+def test_a_new_head_leaves_the_drafts_unchanged(added):
+    """`markov_w2` starts at zero (built with the config, or added to a trained drafter): same drafts, same cycles."""
+    target = make_target("llama")
+    plain = make_drafter(target)
+    if added:
+        drafter = make_drafter(target)
+        drafter.add_markov_head(8, gated=True)
+    else:
+        drafter = make_drafter(target, markov_rank=8)
+    assert drafter.load_state_dict(plain.state_dict(), strict=False).unexpected_keys == []
+    bias = drafter.markov_head(torch.arange(VOCAB)[None], torch.randn(1, VOCAB, target.config.hidden_size))
+    assert torch.equal(bias, torch.zeros_like(bias))
+    input_ids, attention_mask = left_padded([[5, 9, 11, 4], [7, 8, 3, 12, 30, 31]])
+    runs = [
+        dflash_hf.generate(
+            target,
+            model,
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=MAX_NEW,
+            candidates="dflash",
+            return_dict_in_generate=True,
+        )
+        for model in (plain, drafter)
+    ]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    assert runs[0].accepted_lengths == runs[1].accepted_lengths
+
+
+def test_greedy_output_with_a_trained_head_is_plain_greedy(family):
+    """Left-padded rows, the block alone and with the lookup branch: every row is the target's own greedy output,
+    while the head's chained drafts are accepted in runs."""
+    target = make_target(family)
+    prompts = [[5, 9, 11, 4], [7, 8, 3, 12, 30, 31, 40], [20, 21, 22]]
+    references = [greedy_reference(target, torch.tensor([p]), max_new_tokens=MAX_NEW)[0].tolist() for p in prompts]
+    drafter = bigram_head(
+        make_drafter(target, markov_rank=VOCAB), [r[len(p) - 1 :] for p, r in zip(prompts, references)]
+    )
+    input_ids, attention_mask = left_padded(prompts)
+    width = input_ids.shape[1]
+    for candidates in ("dflash", "dflash+lookup"):
+        out = dflash_hf.generate(
+            target,
+            drafter,
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=MAX_NEW,
+            candidates=candidates,
+            return_dict_in_generate=True,
+        )
+        for i, (prompt, reference) in enumerate(zip(prompts, references)):
+            generated = torch.tensor(reference[len(prompt) :])
+            row = out.sequences[i, width:]
+            assert torch.equal(row[: len(generated)], generated), (candidates, i)
+            assert (row[len(generated) :] == 0).all()
+        assert max(n for row in out.accepted_lengths for n in row) > 1, candidates
+
+
+@pytest.mark.parametrize("case", ["reduced vocabulary", "repetition penalty"])
+def test_drafts_follow_the_sequential_argmax(case, monkeypatch):
+    """Slot k's draft is the argmax of its logits plus the head's correction for the token drafted at slot k - 1
+    (the anchor for slot 1), through the processors given the sequence and the drafts before it."""
+    target = make_target("llama")
+    if case == "reduced vocabulary":
+        drafter = make_drafter(target, block_size=5, draft_vocab_size=40, markov_rank=8, markov_gated=True)
+        drafter.set_draft_vocabulary(list(range(3, 43)))
+        kwargs = {}
+    else:
+        drafter = make_drafter(target, block_size=5, markov_rank=8)
+        kwargs = {"repetition_penalty": 1.5}
+    random_head(drafter)
+    calls = record_proposals(monkeypatch)
+    input_ids, attention_mask = left_padded([[5, 9, 11, 4], [7, 8, 3, 12, 30, 31]])
+    dflash_hf.generate(
+        target, drafter, input_ids, attention_mask=attention_mask, max_new_tokens=12, candidates="dflash", **kwargs
+    )
+    draft_ids = drafter.draft_token_ids
+    changed = 0
+    for call in calls:
+        anchors, hidden = call["markov_inputs"]
+        previous = anchors
+        for slot in range(call["logits"].shape[1]):
+            with torch.no_grad():
+                scores = call["logits"][:, slot] + drafter.markov_head(previous, hidden[:, slot]).float()
+            if draft_ids is not None:
+                scores = torch.full((scores.shape[0], VOCAB), float("-inf")).index_copy(1, draft_ids, scores)
+            if kwargs:  # the engine's own processors, given each row's sequence and the drafts before this slot
+                prefixes = [torch.cat([seq, call["tokens"][i, :slot]]) for i, seq in enumerate(call["sequences"])]
+                scores = torch.cat(
+                    [call["process"].for_row(r, p[None], s[None]) for r, p, s in zip(call["rows"], prefixes, scores)]
+                )
+            assert torch.equal(call["tokens"][:, slot], scores.argmax(-1)), slot
+            independent = call["logits"][:, slot].argmax(-1)
+            changed += int(
+                (call["tokens"][:, slot] != (independent if draft_ids is None else draft_ids[independent])).sum()
+            )
+            previous = call["tokens"][:, slot]
+    assert calls and changed > 0  # the head moved drafts away from the independent per-slot argmax
+
+
+def test_a_diverged_head_has_no_say():
+    """Non-finite corrections (a diverged head) are dropped: drafting and sampling stay well-defined and exact."""
+    target = make_target("llama")
+    drafter = make_drafter(target, markov_rank=8)
+    with torch.no_grad():
+        drafter.markov_head.markov_w2.weight.fill_(float("nan"))
+    input_ids = torch.tensor([[5, 9, 11, 4, 17]])
+    out = dflash_hf.generate(target, drafter, input_ids, max_new_tokens=MAX_NEW, do_sample=False)
+    assert torch.equal(out, greedy_reference(target, input_ids, max_new_tokens=MAX_NEW))
+    torch.manual_seed(0)
+    sampled = dflash_hf.generate(target, drafter, input_ids, max_new_tokens=MAX_NEW, do_sample=True)
+    assert sampled.shape[1] > input_ids.shape[1]
+
+
+def test_native_path_drafts_without_the_head(monkeypatch):
+    """Transformers' `speculation_type="dflash"` projects the drafter's hidden states itself: it never calls the
+    head, and its output is still the target's greedy output."""
+    target = make_target("qwen3")
+    drafter = random_head(make_drafter(target, markov_rank=8))
+
+    def never(*args, **kwargs):
+        raise AssertionError("the native path called the Markov head")
+
+    monkeypatch.setattr(drafter.markov_head, "forward", never)
+    input_ids = torch.tensor([[5, 9, 11, 4, 17]])
+    native = target.generate(
+        input_ids, max_new_tokens=MAX_NEW, do_sample=False, assistant_model=drafter, speculation_type="dflash"
+    )
+    assert torch.equal(native, greedy_reference(target, input_ids, max_new_tokens=MAX_NEW))
+
+
+@pytest.fixture(scope="module")
+def sampling_setup():
+    target, plain = _tiny_models()
+    drafter = DFlashDraftModel(DFlashConfig(**{**plain.config.to_dict(), "markov_rank": 4})).eval()
+    drafter.load_state_dict(plain.state_dict(), strict=False)
+    random_head(drafter, seed=2, std=1.5)
+    prompt = torch.tensor([[3, 5, 1, 6]])
+    return target, drafter, prompt, _exact_joint_of_tokens_2_and_3(target, prompt)
+
+
+@pytest.mark.parametrize("proposal", ["sample", "argmax"])
+def test_sampling_through_the_head_matches_the_target_distribution(sampling_setup, proposal):
+    """Each slot sampled from its corrected distribution given the slot before it, those distributions verified:
+    the tokens follow the target's own distribution (chi-square against the exact joint of tokens 2 and 3)."""
+    target, drafter, prompt, expected = sampling_setup
+    statistic, cells = _chi_square(target, drafter, prompt, expected, proposal)
+    assert statistic < _bound(cells), statistic
+
+
+def test_verifying_the_uncorrected_distributions_is_caught(sampling_setup, monkeypatch):
+    """Drafts sampled through the head but verified against the backbone's own distributions are biased: the same
+    bound rejects them (the distribution test can fail)."""
+    target, drafter, prompt, expected = sampling_setup
+    real = generation_call.GenerationCall._draft_chain
+
+    def uncorrected_probs(self, draft_logits, rows, anchors, hidden_states):
+        tokens, _ = real(self, draft_logits, rows, anchors, hidden_states)
+        return tokens, self._draft_tokens(draft_logits, rows)[1]
+
+    monkeypatch.setattr(generation_call.GenerationCall, "_draft_chain", uncorrected_probs)
+    statistic, cells = _chi_square(target, drafter, prompt, expected, "sample")
+    assert statistic > _bound(cells), statistic
+
+
+# ---------------------------------------------------------------------------------------------------- training
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    with one_thread():
+        target = make_tiny_target("llama")
+        tokenizer = make_tokenizer()
+        root = tmp_path_factory.mktemp("markov")
+        prompts = write_prompts(root / "prompts.jsonl")
+        make_data(
+            target,
+            tokenizer,
+            root / "data",
+            source=str(prompts),
+            max_new_tokens=24,
+            held_out_fraction=0.0,
+            progress=False,
+        )
+        return target, tokenizer, load_training_data(root / "data")
+
+
+def markov_trainer(tiny_data, output_dir, model=None, **overrides):
+    target, tokenizer, data = tiny_data
+    args = tiny_train_config(output_dir, **{"markov_rank": 16, "logging_steps": 100, **overrides})
+    return DFlashTrainer(model=model, args=args, target=target, train_dataset=data, processing_class=tokenizer)
+
+
+def fixed_loss(trainer, data) -> float:
+    """The trainer's loss on the whole tiny dataset with fixed anchors (evaluation mode, no gradient)."""
+    batch = DFlashDataCollator(pad_token_id=0)([data[i] for i in range(len(data))])
+    anchors = sample_anchors(
+        batch["loss_mask"],
+        batch["attention_mask"].sum(1),
+        trainer.block_size,
+        8,
+        generator=torch.Generator().manual_seed(0),
+    )
+    trainer.model.eval()
+    with torch.no_grad():
+        loss, _ = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
+    return float(loss)
+
+
+def test_teacher_forcing_feeds_the_true_previous_tokens():
+    """Slot k's head input is the true token at anchor + k - 1: the anchor for slot 1 (and for the untrained slot 0)."""
+    input_ids = torch.arange(10, 30)[None]
+    anchors = torch.tensor([[3, 9]])
+    blocks = build_blocks(input_ids, torch.ones_like(input_ids), anchors, torch.ones_like(anchors).bool(), 4, 63, 4.0)
+    assert blocks.previous_ids.tolist() == [[13, 13, 14, 15, 19, 19, 20, 21]]
+    assert blocks.labels[0, :, 1:].tolist() == [[14, 15, 16], [20, 21, 22]]  # each slot's label follows its input
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_frozen_backbone_trains_only_the_head(tiny_data, tmp_path, gated):
+    """`freeze_backbone`: only `markov_head.*` is trainable and changes, the backbone stays bit-identical, the loss
+    (on the corrected logits) goes down."""
+    trainer = markov_trainer(
+        tiny_data, tmp_path, freeze_backbone=True, markov_gated=gated, max_steps=20, learning_rate=1e-2
+    )
+    trainable = {name for name, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable == MARKOV_TENSORS | (GATE_TENSORS if gated else set())
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    start = fixed_loss(trainer, tiny_data[2])
+    trainer.train()
+    assert fixed_loss(trainer, tiny_data[2]) < start - 0.5
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(p, before[name]) == (name not in trainable), name
+
+
+def test_joint_training_trains_head_and_backbone(tiny_data, tmp_path):
+    trainer = markov_trainer(tiny_data, tmp_path, max_steps=20, learning_rate=1e-2)
+    assert all(p.requires_grad for p in trainer.model.parameters())
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    start = fixed_loss(trainer, tiny_data[2])
+    trainer.train()
+    assert fixed_loss(trainer, tiny_data[2]) < start - 1.0
+    changed = {name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])}
+    assert MARKOV_TENSORS <= changed and "fc.weight" in changed and "layers.0.mlp.up_proj.weight" in changed
+
+
+def test_markov_loss_weight_mixes_backbone_and_corrected_losses(tiny_data, tmp_path):
+    """`loss(w) = (1 - w) * loss(backbone logits) + w * loss(corrected logits)`; at w = 0 it is the loss of the same
+    drafter without a head."""
+    target, tokenizer, data = tiny_data
+    trainer = markov_trainer(tiny_data, tmp_path / "head", model=make_drafter(target))  # the backbone, plus a head
+    random_head(trainer.model, std=0.5)
+    losses = {}
+    for weight in (0.0, 0.5, 1.0):
+        trainer.markov_loss_weight = weight
+        losses[weight] = fixed_loss(trainer, data)
+    assert losses[0.5] == pytest.approx(0.5 * losses[0.0] + 0.5 * losses[1.0], rel=1e-5)
+    assert abs(losses[1.0] - losses[0.0]) > 0.1
+    headless = DFlashTrainer(
+        model=make_drafter(target),  # the same backbone (same seed), no head
+        args=tiny_train_config(tmp_path / "plain"),
+        target=target,
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
+    assert fixed_loss(headless, data) == pytest.approx(losses[0.0], rel=1e-6)
+
+
+def test_training_options_are_checked(tiny_data, tmp_path):
+    with pytest.raises(ValueError, match="markov_gated describes a new Markov head"):
+        tiny_train_config(tmp_path, markov_gated=True)
+    with pytest.raises(ValueError, match="markov_loss_weight=0"):
+        tiny_train_config(tmp_path, markov_rank=4, freeze_backbone=True, markov_loss_weight=0.0)
+    with pytest.raises(ValueError, match="markov_loss_weight must be in"):
+        tiny_train_config(tmp_path, markov_loss_weight=1.5)
+    target, tokenizer, data = tiny_data
+    with pytest.raises(ValueError, match="has none: add one with --markov_rank"):
+        DFlashTrainer(
+            args=tiny_train_config(tmp_path, freeze_backbone=True),
+            target=target,
+            train_dataset=data,
+            processing_class=tokenizer,
+        )
+    headed = make_drafter(target, block_size=4, markov_rank=8)
+    with pytest.raises(ValueError, match="asks for rank 16"):
+        markov_trainer(tiny_data, tmp_path, model=headed)
+
+
+# ---------------------------------------------------------------------------------------------------- layouts
+
+
+def trained_pair(family: str = "llama", **kwargs):
+    target = make_target(family)
+    drafter = make_drafter(target, draft_vocab_size=24, markov_rank=8, **kwargs)
+    drafter.set_draft_vocabulary(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:24])
+    return target, random_head(drafter, std=0.5)
+
+
+def assert_same_drafter(loaded: DFlashDraftModel, drafter: DFlashDraftModel) -> None:
+    assert (loaded.config.markov_rank, loaded.config.markov_gated) == (
+        drafter.config.markov_rank,
+        drafter.config.markov_gated,
+    )
+    expected = drafter.state_dict()
+    assert set(loaded.state_dict()) == set(expected)
+    assert all(torch.equal(t, expected[name]) for name, t in loaded.state_dict().items())
+
+
+@pytest.mark.parametrize("layout", ["dflash-hf", "official"])
+@pytest.mark.parametrize("gated", [False, True])
+def test_layouts_with_remote_code_carry_the_head(tmp_path, layout, gated):
+    target, drafter = trained_pair(markov_gated=gated)
+    folder = dflash_hf.export(drafter, tmp_path / layout, target=target, base_model=BASE_MODEL, format=layout)
+    config = json.loads((folder / "config.json").read_text())
+    if layout == "official":
+        assert config["dflash_config"]["markov_rank"] == 8
+        assert config["dflash_config"]["markov_head_type"] == ("gated" if gated else "vanilla")
+        assert config["sample_from_anchor"] is False
+    else:
+        assert (config["markov_rank"], config["markov_gated"]) == (8, gated)
+    names = set(load_file(folder / "model.safetensors"))
+    assert MARKOV_TENSORS <= names and (GATE_TENSORS <= names) == gated
+    assert_same_drafter(DFlashDraftModel.from_pretrained(folder), drafter)
+    dflash_hf.validate_hub_folder(folder)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_speculators_layout_is_dspark(tmp_path, gated):
+    """speculators' DSpark model: its type, fields, slot convention and head tensors (DeepSpec's names)."""
+    target, drafter = trained_pair(markov_gated=gated)
+    folder = dflash_hf.export(drafter, tmp_path / "spec", target=target, base_model=BASE_MODEL, format="speculators")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["speculators_model_type"] == "dspark" and config["architectures"] == ["DSparkDraftModel"]
+    assert config["speculators_config"]["algorithm"] == "dspark"
+    assert config["markov_rank"] == 8 and config["markov_head_type"] == ("gated" if gated else "vanilla")
+    assert config["sample_from_anchor"] is False and config["enable_confidence_head"] is False
+    tensors = load_file(folder / "model.safetensors")
+    assert tuple(tensors["markov_head.markov_w1.weight"].shape) == (VOCAB, 8)  # the verifier's vocabulary
+    assert tuple(tensors["markov_head.markov_w2.weight"].shape) == (24, 8)  # the draft vocabulary
+    for name, tensor in drafter.state_dict().items():
+        if name.startswith("markov_head."):
+            assert torch.equal(tensors[name], tensor), name
+    back = config_from_speculators(config)
+    assert (back.markov_rank, back.markov_gated) == (8, gated)
+    dflash_hf.validate_hub_folder(folder)
+
+
+def test_speculators_configs_of_another_slot_convention_are_refused(tmp_path):
+    target, drafter = trained_pair()
+    folder = dflash_hf.export(drafter, tmp_path / "spec", target=target, base_model=BASE_MODEL, format="speculators")
+    config = json.loads((folder / "config.json").read_text())
+    with pytest.raises(ValueError, match="sample_from_anchor"):
+        config_from_speculators({**config, "sample_from_anchor": True})
+    with pytest.raises(ValueError, match="not supported"):
+        config_from_speculators({**config, "markov_head_type": "rnn"})
+    official = json.loads(
+        (
+            dflash_hf.export(drafter, tmp_path / "off", target=target, base_model=BASE_MODEL, format="official")
+            / "config.json"
+        ).read_text()
+    )
+    with pytest.raises(ValueError, match="sample_from_anchor: true"):
+        DFlashConfig.from_dict({**official, "sample_from_anchor": True})
