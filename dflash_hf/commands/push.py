@@ -40,9 +40,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "push",
         help="upload an exported drafter folder to the Hugging Face Hub",
-        description="Validate an exported drafter folder (config loads, weights match it, card has front matter) and "
-        "upload it with huggingface_hub (create_repo + upload_folder). The token comes from HF_TOKEN or `hf auth "
-        "login`.",
+        description="Validate an exported drafter folder against what `dflash-hf export` writes (exactly its files, "
+        "no links, its auto_map, the package's own remote code, weights that load strictly, a card with front "
+        "matter) and upload it with huggingface_hub (create_repo + upload_folder). The token comes from HF_TOKEN or "
+        "`hf auth login`.",
     )
     parser.add_argument("folder", help="folder written by `dflash-hf export`")
     parser.add_argument("repo_id", help="model repo to create or update, e.g. me/my-dflash-drafter")
