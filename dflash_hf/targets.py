@@ -49,7 +49,7 @@ from transformers import (
 )
 
 from .drafter_folder import check_drafter_folder
-from .fileio import discard, read_json, set_ordinary_mode
+from .fileio import discard, path_inside, read_json, set_ordinary_mode
 from .runtime import resolve_dtype
 from .special_tokens import first_token_id, token_ids
 
@@ -264,7 +264,10 @@ def cache_problem(directory: str | Path, spec: TargetSpec) -> str | None:
     if not isinstance(files, dict) or "config.json" not in files:
         return "completion marker lists no model files"
     for name, expected in files.items():
-        path = directory / name
+        try:
+            path = path_inside(directory, name, MARKER_FILE, "rebuild the cache.")
+        except ValueError:
+            return f"completion marker names {name!r}, outside the folder"
         if not path.is_file():
             return f"missing file {name}"
         if path.stat().st_size != expected.get("size"):

@@ -9,6 +9,7 @@ random models of `test_targets.py`, built offline.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -21,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from test_targets import WORDS, make_llama, save_tiny_target
 
 import dflash_hf
-from dflash_hf import DFlashConfig, DFlashDraftModel, cli
+from dflash_hf import DFlashConfig, DFlashDraftModel, cli, targets
 from dflash_hf.data.features import OfflineFeatureDataset
 from dflash_hf.data.make import load_training_data
 from dflash_hf.data.prompts import load_prompts
@@ -376,6 +377,22 @@ def test_a_features_index_cannot_name_files_outside_its_folder(folders, captured
         assert str(info.value).startswith(first.removeprefix("error: ").replace("victim.txt", "outside.safetensors"))
     finally:
         (features / "index.json").write_text(index_text)
+
+
+def test_a_target_cache_marker_cannot_name_files_outside_its_folder(tmp_path):
+    """A marker listing a file outside the cache folder (its true size and hash) makes the cache invalid, unread."""
+    folder, outside = tmp_path / "cache" / "tiny", tmp_path / "secret.txt"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    outside.write_text("a stand-in secret")
+    files = {
+        name: {"size": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+        for name, path in (("config.json", folder / "config.json"), ("../../secret.txt", outside))
+    }
+    marker = {"format": targets.CACHE_FORMAT, "target": "tiny", "files": files}
+    (folder / targets.MARKER_FILE).write_text(json.dumps(marker))
+    spec = targets.TargetSpec("tiny", "a stand-in", "no-such-distribution", load_source=None)
+    assert targets.cache_problem(folder, spec) == "completion marker names '../../secret.txt', outside the folder"
 
 
 # ---------------------------------------------------------------------------------------------------------------
