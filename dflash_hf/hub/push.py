@@ -41,12 +41,12 @@ def _folder_files(folder: Path) -> list[HubFile]:
     files, links = [], []
     for root, folders, names in os.walk(folder):
         folders[:] = [name for name in folders if not name.startswith(".")]
-        for name in sorted([*folders, *names]):
+        for name in sorted(name for name in [*folders, *names] if not name.startswith(".")):
             path = Path(root) / name
             relative = path.relative_to(folder).as_posix()
             if path.is_symlink():
                 links.append(relative)
-            elif path.is_file() and not name.startswith("."):
+            elif path.is_file():
                 files.append(HubFile(relative, path.stat().st_size))
     if links:
         raise ValueError(
