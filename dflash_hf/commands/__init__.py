@@ -127,7 +127,7 @@ def add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help=f"CPU threads for torch (default: the CPUs available to this process, here {available_cpus()}).",
+        help=f"CPU threads for torch, at most the CPUs available to this process (default: all {available_cpus()}).",
     )
     parser.add_argument(
         "--mkl-mode",
