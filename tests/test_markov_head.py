@@ -416,6 +416,34 @@ def test_training_options_are_checked(tiny_data, tmp_path):
         markov_trainer(tiny_data, tmp_path, model=headed)
 
 
+def test_train_command_adds_a_head_to_a_drafter_and_records_it(tiny_data, tmp_path):
+    """`dflash-hf train --drafter D --markov_rank R --freeze_backbone`: the exported drafter is D's backbone plus the
+    trained head, and its card names the head and the loss."""
+    from dflash_hf.cli import main as cli_main
+
+    target, tokenizer, _ = tiny_data
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    make_data(
+        target, tokenizer, tmp_path / "data", source=str(write_prompts(tmp_path / "p.jsonl")), max_new_tokens=12,
+        held_out_fraction=0.0, progress=False,
+    )  # fmt: skip
+    backbone = make_drafter(target)
+    backbone.save_pretrained(tmp_path / "drafter")
+    argv = ["train", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data"), "--base_model", "org/t"]
+    argv += ["--drafter", str(tmp_path / "drafter"), "--output_dir", str(tmp_path / "run"), "--block_size", "4"]
+    argv += ["--markov_rank", "8", "--freeze_backbone", "true", "--max_steps", "2", "--num_anchors", "8"]
+    argv += ["--use_cpu", "true", "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no"]
+    assert cli_main(argv) == 0
+    final = DFlashDraftModel.from_pretrained(tmp_path / "run" / "final")
+    assert (final.config.markov_rank, final.config.markov_gated) == (8, False)
+    head = {k: v for k, v in final.state_dict().items() if k.startswith("markov_head.")}
+    assert set(head) == MARKOV_TENSORS and head["markov_head.markov_w2.weight"].abs().sum() > 0  # trained
+    assert all(torch.equal(v, final.state_dict()[k]) for k, v in backbone.state_dict().items())  # frozen
+    card = (tmp_path / "run" / "final" / "README.md").read_text()
+    assert "`markov_head`: rank 8, vanilla" in card and "`freeze_backbone`: True" in card
+
+
 # ---------------------------------------------------------------------------------------------------- layouts
 
 

@@ -250,6 +250,12 @@ def _training_facts(trainer, config, result, last: dict, wall: float, data: str)
     }
     if trainer.draft_vocabulary_coverage is not None:
         facts["draft_vocabulary_coverage"] = round(trainer.draft_vocabulary_coverage, 4)
+    if trainer.has_markov_head:
+        from dflash_hf.modeling.configuration_dflash import markov_head_type
+
+        drafter_config = trainer.accelerator.unwrap_model(trainer.model).config
+        facts["markov_head"] = f"rank {drafter_config.markov_rank}, {markov_head_type(drafter_config)}"
+        facts.update(markov_loss_weight=config.markov_loss_weight, freeze_backbone=config.freeze_backbone)
     for key in ("accuracy", "acceptance_length", "acceptance_length_blockwise"):
         if key in last:
             facts[f"train_{key}"] = round(float(last[key]), 4)
