@@ -23,7 +23,7 @@ PLOT_NAMES = {
 }
 
 
-def _as_document(result: BenchResult | dict[str, Any] | str | os.PathLike) -> dict[str, Any]:
+def as_document(result: BenchResult | dict[str, Any] | str | os.PathLike) -> dict[str, Any]:
     if isinstance(result, BenchResult):
         return result.to_json()
     if isinstance(result, dict):
@@ -59,7 +59,7 @@ def markdown_table(result: BenchResult | dict[str, Any] | str | os.PathLike) -> 
     When the run has plain greedy decoding with the engine's kernels, a column gives every method's speedup over
     that baseline too (the gain from speculation alone); when a method verified a prompt-lookup branch, a last column
     says in how many cycles that branch was the accepted one."""
-    document = _as_document(result)
+    document = as_document(result)
     kernels = next((m for m in document["methods"] if m["name"] == KERNEL_BASELINE), None)
     kernel_rate = kernels["summary"]["tokens_per_s"] if kernels else None
     lookups = any(m["summary"].get("lookup_win_rate") is not None for m in document["methods"])
@@ -92,7 +92,7 @@ def markdown_table(result: BenchResult | dict[str, Any] | str | os.PathLike) -> 
 def benchmark_table(result: BenchResult | dict[str, Any] | str | os.PathLike) -> str | None:
     """Tau per benchmark for each method, as the DFlash paper's table has it (plus the mean over the benchmarks and the
     tokens/s and speedup of the whole run); `None` for a run of one prompt set."""
-    document = _as_document(result)
+    document = as_document(result)
     by_benchmark = document.get("by_benchmark")
     if not by_benchmark:
         return None
@@ -127,7 +127,7 @@ def render_markdown(
             path is given, else the current folder).
         heading: The section heading line.
     """
-    document = _as_document(result)
+    document = as_document(result)
     if plots_prefix is None:
         plots_prefix = str(Path(result).parent) if isinstance(result, (str, os.PathLike)) else "."
     prefix = plots_prefix.rstrip("/") + "/" if plots_prefix not in ("", ".") else ""
@@ -137,21 +137,19 @@ def render_markdown(
     lengths = [p["prompt_tokens"] for p in document.get("prompts", [])]
     if lengths:
         source += f" ({min(lengths)}-{max(lengths)} prompt tokens)"
-    gpu = f", GPU {hardware['gpu']}" if hardware.get("gpu") else ""
-    mkl = f", {hardware['mkl']}" if hardware.get("mkl") and hardware["device"] == "cpu" else ""
-    drafter = str(settings.get("drafter", "given")).replace("\\", "/")
-    in_package = drafter.split("/dflash_hf/bundled/")
+    drafter = drafter_name(str(settings.get("drafter", "given")))
     drafter = (
-        f"the bundled drafter `dflash_hf/bundled/{in_package[1]}`"
-        if len(in_package) == 2
-        else f"the drafter `{drafter}`"
+        f"the bundled drafter `{drafter}`" if drafter.startswith("dflash_hf/bundled/") else f"the drafter `{drafter}`"
     )
+    decoding = "greedy"
+    if any(method.get("sampled") for method in document["methods"]):
+        decoding += " (sampled rows: at the temperature each row names)"
     lines = [
         heading,
         "",
         f"{settings.get('target', settings.get('target_model_type'))} with {drafter} "
         f"(trained block size {settings['drafter_block_size']}): "
-        f"{settings['num_prompts']} prompts of {source}, greedy, at most {settings['max_new_tokens']} new tokens, "
+        f"{settings['num_prompts']} prompts of {source}, {decoding}, at most {settings['max_new_tokens']} new tokens, "
         f"batch 1, {settings.get('precision') or settings['dtype']}.",
         "",
         markdown_table(document).rstrip("\n"),
@@ -165,11 +163,9 @@ def render_markdown(
         f"![Speedup by method]({prefix}{PLOT_NAMES['speedup']})",
         f"![Accepted lengths]({prefix}{PLOT_NAMES['accepted_lengths']})",
         f"![Acceptance rate by block slot]({prefix}{PLOT_NAMES['acceptance_by_slot']})",
-        *_cost_lines(document.get("cost_profile"), prefix),
+        *cost_lines(document.get("cost_profile"), prefix),
         "",
-        f"Hardware: {hardware['cpu']} ({hardware['torch_threads']} torch threads of {hardware['cpus_available']} "
-        f"CPUs available{gpu}, device {hardware['device']}{mkl}); torch {hardware['torch']}, transformers "
-        f"{hardware['transformers']}, Python {hardware['python']}.",
+        hardware_line(hardware),
         f"Date: {document['date']}.",
     ]
     if document.get("command"):
@@ -179,6 +175,25 @@ def render_markdown(
     return "\n".join(lines) + "\n"
 
 
+def drafter_name(drafter: str) -> str:
+    """A drafter path as a report names it: a bundled drafter by its path inside the package (no machine's checkout
+    path), any other as given."""
+    drafter = drafter.replace("\\", "/")
+    inside = drafter.split("/dflash_hf/bundled/")
+    return f"dflash_hf/bundled/{inside[1]}" if len(inside) == 2 else drafter
+
+
+def hardware_line(hardware: dict[str, Any]) -> str:
+    """The `Hardware: ...` line of a report: CPU, threads, device (GPU, MKL mode on CPU) and library versions."""
+    gpu = f", GPU {hardware['gpu']}" if hardware.get("gpu") else ""
+    mkl = f", {hardware['mkl']}" if hardware.get("mkl") and hardware.get("device") == "cpu" else ""
+    return (
+        f"Hardware: {hardware['cpu']} ({hardware['torch_threads']} torch threads of {hardware['cpus_available']} "
+        f"CPUs available{gpu}, device {hardware['device']}{mkl}); torch {hardware['torch']}, transformers "
+        f"{hardware['transformers']}, Python {hardware['python']}."
+    )
+
+
 def _cost_row(label: str, counts: list[str], blocks: list[str], target: dict | None, drafter: dict | None, digits: int):
     """One row of the cost table: a value per token count, then one per draft block size ('-' where not measured)."""
     cells = [f"{target[k]:.{digits}f}" if target and k in target else "-" for k in counts]
@@ -186,7 +201,7 @@ def _cost_row(label: str, counts: list[str], blocks: list[str], target: dict | N
     return f"| {label} | " + " | ".join(cells) + " |"
 
 
-def _cost_lines(profile: dict[str, Any] | None, prefix: str) -> list[str]:
+def cost_lines(profile: dict[str, Any] | None, prefix: str) -> list[str]:
     """The cost-profile table (target forward per token count, drafter per block size; in Transformers' `sdpa` and
     the matmul floor where measured) and its plot, if measured."""
     if not profile:
@@ -297,7 +312,7 @@ def write_plots(result: BenchResult | dict[str, Any] | str | os.PathLike, out_di
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    document = _as_document(result)
+    document = as_document(result)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from ..fileio import read_json
-from .report import JSON_NAME, _as_document, _cost_lines, render_markdown
+from .report import JSON_NAME, as_document, cost_lines, drafter_name, hardware_line, render_markdown
 
 PROFILE_JSON = "profile.json"
 PROFILE_PLOT = "profile.png"
@@ -31,7 +30,7 @@ def _with_notes(heading: str, folder: Path) -> str:
 
 def _bench_section(path: Path, root: Path, out_dir: Path) -> str:
     """One bench run: its results section under a heading naming the target, prompts, precision and file."""
-    document = _as_document(path)
+    document = as_document(path)
     settings = document["settings"]
     heading = (
         f"### {settings.get('target', settings.get('target_model_type'))}, {settings.get('prompts', 'custom prompts')}"
@@ -39,24 +38,6 @@ def _bench_section(path: Path, root: Path, out_dir: Path) -> str:
     )
     heading = _with_notes(heading, path.parent)
     return render_markdown(document, plots_prefix=_relative(path.parent, out_dir), heading=heading)
-
-
-def _drafter_name(drafter: str) -> str:
-    drafter = drafter.replace("\\", "/")
-    return (
-        "dflash_hf/bundled/" + drafter.split("/dflash_hf/bundled/", 1)[1]
-        if "/dflash_hf/bundled/" in drafter
-        else drafter
-    )
-
-
-def _hardware_line(hardware: dict[str, Any]) -> str:
-    mkl = f", {hardware['mkl']}" if hardware.get("mkl") and hardware.get("device") == "cpu" else ""
-    return (
-        f"Hardware: {hardware['cpu']} ({hardware['torch_threads']} torch threads of {hardware['cpus_available']} CPUs "
-        f"available, device {hardware['device']}{mkl}); torch {hardware['torch']}, transformers "
-        f"{hardware['transformers']}, Python {hardware['python']}."
-    )
 
 
 def _profile_section(path: Path, root: Path, out_dir: Path) -> str:
@@ -68,12 +49,12 @@ def _profile_section(path: Path, root: Path, out_dir: Path) -> str:
     lines = [
         _with_notes(f"### Cost profile: `{_relative(path, root.parent)}`", path.parent),
         "",
-        f"Drafter `{_drafter_name(str(document.get('drafter', 'given')))}`; "
+        f"Drafter `{drafter_name(str(document.get('drafter', 'given')))}`; "
         + (f"date {document['date']}; " if document.get("date") else "")
-        + f"{_hardware_line(document['hardware'])}",
+        + f"{hardware_line(document['hardware'])}",
     ]
     for profile in document["profiles"]:
-        lines += [line for line in _cost_lines(profile, prefix) if not line.startswith("![")]
+        lines += [line for line in cost_lines(profile, prefix) if not line.startswith("![")]
         if profile.get("precision"):
             lines += ["", f"Precision: {profile['precision']}."]
     if (path.parent / PROFILE_PLOT).exists():
