@@ -24,7 +24,7 @@ def _run(policy: AdaptiveBlockSize, accept_drafts, cost, cycles: int = 40) -> li
 
 def test_explores_the_extremes_first_then_interpolates_costs():
     policy = AdaptiveBlockSize(16)
-    assert _run(policy, lambda k: 0, lambda k: 1.0 + 0.1 * k, cycles=2) == [16, 2]
+    assert _run(policy, lambda k: 0, lambda k: 1.0 + 0.1 * k, cycles=2) == [16, 1]
     assert policy.estimated_cost(8) == pytest.approx(1.8)
 
 
@@ -34,8 +34,68 @@ def test_perfect_drafter_with_flat_cost_uses_the_largest_block():
 
 
 def test_useless_drafter_with_growing_cost_uses_the_smallest_block():
-    chosen = _run(AdaptiveBlockSize(16), lambda k: 0, lambda k: 1.0 + 0.1 * k)
+    chosen = _run(AdaptiveBlockSize(16, candidates=[2, 4, 8, 16]), lambda k: 0, lambda k: 1.0 + 0.1 * k)
     assert chosen[-10:] == [2] * 10
+
+
+def test_falls_back_to_plain_steps_where_speculation_loses_and_returns_when_it_pays():
+    """A plain step (block 1) commits one token for the cost of one step: with a useless drafter and verifies that cost
+    more than a step, decoding falls back to it; once the drafter is right, it speculates again."""
+    policy = AdaptiveBlockSize(8)
+    cost = lambda k: 1.0 if k == 1 else 1.3 + 0.05 * k  # noqa: E731
+    losing = _run(policy, lambda k: 0, cost, cycles=80)
+    assert 36 <= Counter(losing[-40:])[1] < 40  # plain steps, a block re-tried every twenty-odd steps
+    assert 1 in policy.candidates and policy.expected_tokens(1) == 1.0
+    winning = _run(policy, lambda k: k - 1, cost, cycles=60)
+    assert winning[-20:] == [8] * 20
+
+
+class _Scripted:
+    """A block-size policy that plays a fixed sequence of sizes (1: a plain step), cyclically."""
+
+    def __init__(self, sizes: list[int], max_block_size: int = 8) -> None:
+        self.sizes, self.max_block_size, self.calls = sizes, max_block_size, 0
+
+    def next_block_size(self) -> int:
+        self.calls += 1
+        return self.sizes[(self.calls - 1) % len(self.sizes)]
+
+    def observe(self, block_size: int, committed: list[int], seconds: float) -> None:
+        assert block_size != 1 or committed == [1] * len(committed)  # a plain step commits one token per row
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_plain_steps_between_blocks_are_lossless(family):
+    """Plain steps (the drafter reads the context, nothing is drafted) mixed with blocks of every size give plain
+    greedy's tokens, on a left-padded batch and past Gemma's sliding window."""
+    target = make_target(family)
+    generator = torch.Generator().manual_seed(5)
+    input_ids = torch.randint(3, 64, (2, 14), generator=generator)
+    mask = torch.ones_like(input_ids)
+    mask[1, :5] = 0
+    reference = target.generate(input_ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=[99])
+    oracle = make_oracle(target, reference.tolist(), corrupt={(p, 3) for p in range(80)}, block_size=8)
+    for sizes in ([1], [1, 8, 1, 1, 4, 2, 1]):
+        out = dflash_hf.generate(
+            target, oracle, input_ids, attention_mask=mask, max_new_tokens=30, block_size=_Scripted(sizes),
+            eos_token_id=[99], candidates="dflash", return_dict_in_generate=True,
+        )  # fmt: skip
+        assert torch.equal(out.sequences, reference)
+        assert 1 in out.block_sizes[0]
+        if sizes == [1]:
+            assert out.tau == 1.0 and set(out.block_sizes[0]) == {1}
+        else:
+            assert max(out.accepted_lengths[0]) > 1
+
+
+def test_plain_steps_when_sampling():
+    target = make_target("llama")
+    oracle = make_oracle(target, [[1, 5, 9]], block_size=4)
+    out = dflash_hf.generate(
+        target, oracle, torch.tensor([[1, 5, 9, 12]]), max_new_tokens=12, do_sample=True, block_size=_Scripted([1, 4], 4),
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    assert out.sequences.shape[1] == 4 + 12 and 1 in out.block_sizes[0]
 
 
 def test_acceptance_limit_and_verify_cost_pick_a_middle_size():

@@ -63,7 +63,7 @@ def rejection_sample(
 
     rows = torch.arange(batch, device=draft_tokens.device)
     p_next = target_probs[rows, accepted]
-    padded_q = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)
+    padded_q = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, draft_probs.shape[-1])], dim=1)
     residual = (p_next - padded_q[rows, accepted]).clamp_min(0)
     mass = residual.sum(-1, keepdim=True)
     # All drafts accepted -> q is the zero pad and the residual is p itself. p == q exactly -> no residual mass:

@@ -1,7 +1,8 @@
 """Block-size policies: how many tokens to draft and verify in the next cycle.
 
 A cycle with block size `k` drafts `k - 1` tokens and verifies `k` positions; it commits `1 + (accepted drafts)`
-tokens. Larger blocks commit more when the drafter is right but cost more to verify (on a CPU a 16-token verify
+tokens. Block size 1 is a plain decoding step: nothing is drafted (the drafter only reads the new context) and the
+target verifies the anchor alone, committing its next token. Larger blocks commit more when the drafter is right but cost more to verify (on a CPU a 16-token verify
 costs about twice a 1-token step). [`AdaptiveBlockSize`] picks, every cycle, the size with the best expected tokens
 per second given the recent acceptance profile and the costs measured on this hardware during this call. Every
 size is lossless: the policy only changes speed.
@@ -18,7 +19,7 @@ class BlockSizePolicy(Protocol):
     """Chooses the block size of each cycle and learns from what the cycle cost and committed."""
 
     def next_block_size(self) -> int:
-        """Block size for the next cycle (>= 2)."""
+        """Block size for the next cycle (>= 1; 1 is a plain step)."""
 
     def observe(self, block_size: int, committed: list[int], seconds: float) -> None:
         """Record one cycle: its block size, the tokens committed by every row, and its wall time."""
@@ -47,26 +48,39 @@ class AdaptiveBlockSize:
     * Costs: the wall time of a cycle at every size tried, as an exponentially decayed mean, and a straight line
       `cost(k) = a + b * k` fitted through those means for the sizes not tried yet. The largest and the smallest
       candidate are tried first (two cycles of exploration), then every cycle takes the best expected rate.
+    * A plain step (block size 1, expected tokens 1) is a candidate too: where drafting and verifying a block costs
+      more than the tokens it adds (a long context, a weak drafter), decoding falls back to plain steps. During plain
+      steps the acceptance profile drifts back to the prior more slowly (`plain_step_decay`), so a block is re-tried
+      every twenty-odd steps, and kept when it pays.
 
     Args:
         max_block_size: The drafter's trained block size (the largest candidate).
-        candidates: Block sizes to choose from (default: 2, 4, 6, 8, 12, 16, ... up to `max_block_size`).
+        candidates: Block sizes to choose from (default: 1 (a plain step), 2, 4, 6, 8, 12, 16, ... up to
+            `max_block_size`).
         decay: Weight of the past per new observation (0.9 keeps roughly the last ten cycles).
+        plain_step_decay: Weight of the acceptance profile's past per plain step.
     """
 
-    def __init__(self, max_block_size: int, candidates: list[int] | None = None, decay: float = 0.9) -> None:
+    def __init__(
+        self,
+        max_block_size: int,
+        candidates: list[int] | None = None,
+        decay: float = 0.9,
+        plain_step_decay: float = 0.975,
+    ) -> None:
         if max_block_size < 2:
             raise ValueError(f"max_block_size must be >= 2, got {max_block_size}.")
         if candidates is None:
-            candidates = sorted({k for k in (2, 4, 6, 8, 12, 16, 24, 32) if k <= max_block_size} | {max_block_size})
-        bad = [k for k in candidates if not 2 <= int(k) <= max_block_size]
+            candidates = sorted({k for k in (1, 2, 4, 6, 8, 12, 16, 24, 32) if k <= max_block_size} | {max_block_size})
+        bad = [k for k in candidates if not 1 <= int(k) <= max_block_size]
         if bad or not candidates:
-            raise ValueError(f"candidate block sizes must lie in 2..{max_block_size}, got {list(candidates)}.")
-        if not 0.0 < decay < 1.0:
-            raise ValueError(f"decay must be in (0, 1), got {decay}.")
+            raise ValueError(f"candidate block sizes must lie in 1..{max_block_size}, got {list(candidates)}.")
+        if not (0.0 < decay < 1.0 and 0.0 < plain_step_decay < 1.0):
+            raise ValueError(f"decay and plain_step_decay must be in (0, 1), got {decay} and {plain_step_decay}.")
         self.candidates = sorted(int(k) for k in candidates)
         self.max_block_size = max(self.candidates)
         self.decay = decay
+        self.plain_step_decay = plain_step_decay
         slots = self.max_block_size - 1
         self._reached = [0.0] * slots  # decayed number of cycles in which slot i was verified after slots < i passed
         self._accepted = [0.0] * slots
@@ -107,8 +121,9 @@ class AdaptiveBlockSize:
         old = self._cost.get(block_size)
         self._cost[block_size] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
         weight = 1.0 / len(committed)
-        self._reached = [self.decay * r for r in self._reached]
-        self._accepted = [self.decay * a for a in self._accepted]
+        decay = self.plain_step_decay if block_size == 1 else self.decay
+        self._reached = [decay * r for r in self._reached]
+        self._accepted = [decay * a for a in self._accepted]
         for tokens in committed:
             accepted_drafts = tokens - 1
             for slot in range(min(block_size - 1, len(self._reached))):
@@ -124,7 +139,7 @@ class BoundedBlockSize:
     larger than they were trained on). It keeps learning through `observe`.
 
     Raises a `ValueError` when the policy declares a larger `max_block_size` (or `block_size`), or proposes a size
-    outside 2..`max_block_size`.
+    outside 1..`max_block_size` (1: a plain step).
     """
 
     def __init__(self, policy: BlockSizePolicy, trained_block_size: int) -> None:
@@ -140,10 +155,10 @@ class BoundedBlockSize:
 
     def next_block_size(self) -> int:
         size = self.policy.next_block_size()
-        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or not 2 <= size <= self.max_block_size:
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or not 1 <= size <= self.max_block_size:
             raise ValueError(
                 f"The block-size policy {type(self.policy).__name__} proposed block size {size!r}: "
-                f"`next_block_size()` must return an int in 2..{self.max_block_size}."
+                f"`next_block_size()` must return an int in 1..{self.max_block_size} (1: a plain step)."
             )
         return int(size)
 

@@ -150,7 +150,8 @@ def generate(
     Accepts the usual `generate` keyword arguments (`max_new_tokens`, `do_sample`, `temperature`, `top_p`, `top_k`,
     `eos_token_id`, `streamer`, `generation_config`, `return_dict_in_generate`, ...). Batches of left-padded prompts
     are supported; every row accepts its own prefix. `block_size`: an int up to the drafter's trained block size,
-    `"adaptive"` (chosen every cycle from the measured acceptance profile and costs), or a `BlockSizePolicy`.
+    `"adaptive"` (chosen every cycle from the measured acceptance profile and costs, a plain one-token step included
+    where speculation costs more than it adds), or a `BlockSizePolicy` (block size 1: a plain step).
     `sampling_proposal` (with `do_sample=True`): `"sample"` (default) samples each slot from the drafter's own
     distribution; `"argmax"` drafts each slot's most likely token and accepts it with the target's probability of it.
     `candidates="dflash+lookup"` (the default; greedy): each cycle also verifies a prompt-lookup continuation of the

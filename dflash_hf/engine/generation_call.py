@@ -362,12 +362,12 @@ class GenerationCall:
         state = self._prefill()
         self._stream()
         while state.rows:
-            block = max(2, min(self.policy.next_block_size(), self._remaining(state.rows) + 1))
+            block = max(1, min(self.policy.next_block_size(), self._remaining(state.rows) + 1))
             cycle_start = time.perf_counter()
             block_pos = state.committed[:, None] + torch.arange(block, device=self.device)[None, :]
             draft_tokens, draft_probs = self._draft(state, block, block_pos)
             self._realign(state)
-            lookups = self._lookups(state, block)
+            lookups = self._lookups(state, block) if block > 1 else None  # block 1: a plain step
             tree = lookups is not None and self.tree_choice.use_tree()
             if not tree:
                 accepted, next_tokens, step = self._verify(state, block_pos, draft_tokens, draft_probs)
@@ -426,6 +426,10 @@ class GenerationCall:
                 past_key_values=self.draft_cache,
             )
             truncate_cache(self.draft_cache, state.mask.shape[1])
+            if block == 1:  # a plain step: the drafter has read the new context, nothing is drafted
+                none = torch.empty(len(state.rows), 0, dtype=torch.long, device=self.device)
+                probs = torch.empty(len(state.rows), 0, self.adapter.vocab_size, device=self.device)
+                return none, probs if self.do_sample else None
             draft_logits = self.adapter.logits(out.last_hidden_state[:, 1:], self.draft_token_ids)
             if self.markov_head is None:
                 return self._propose(draft_logits, state.rows)
