@@ -11,7 +11,7 @@ from dflash_hf.trainers import DFlashDataCollator, DFlashTrainer, DFlashTraining
 from dflash_hf.trainers.initialisation import initialise_from_target
 from dflash_hf.trainers.masks import valid_anchor_positions
 from dflash_hf.trainers.optimizers import MuonWithAdamW, newton_schulz_float32_pays, orthogonalise_in_float32
-from test_train_helpers import make_tiny_target, make_tokenizer, one_thread, tiny_train_config, write_prompts
+from testing_utils import make_tiny_target, make_tokenizer, one_thread, tiny_train_config, write_prompts
 
 from dflash_hf.data.features import OfflineFeatureDataset, cache_features
 from dflash_hf.data.make import load_training_data, make_data
@@ -359,6 +359,22 @@ def test_bad_recipe_values_are_rejected(tmp_path):
         DFlashTrainingConfig(output_dir=str(tmp_path), hard_labels="teacher", use_cpu=True)
     with pytest.raises(ValueError, match="early_stopping_patience"):
         DFlashTrainingConfig(output_dir=str(tmp_path), early_stopping_patience=0, use_cpu=True)
+
+
+def test_train_offers_the_export_formats_it_writes(tmp_path, capsys):
+    """--export_format's help names only the layouts `train` writes; another one is refused, pointing to `export`."""
+    import dataclasses
+    import re
+
+    from dflash_hf.cli import main as cli_main
+    from dflash_hf.commands.train import TRAIN_EXPORT_FORMATS, DFlashScriptArguments
+
+    field = next(f for f in dataclasses.fields(DFlashScriptArguments) if f.name == "export_format")
+    assert re.findall(r"'([^']+)'", field.metadata["help"]) == list(TRAIN_EXPORT_FORMATS)
+    argv = ["train", "--target", "smollm2-135m", "--data", str(tmp_path), "--output_dir", str(tmp_path / "run")]
+    assert cli_main([*argv, "--use_cpu", "true", "--export_format", "speculators"]) == 2
+    error = capsys.readouterr().err
+    assert "--export_format must be 'dflash-hf' or 'official'" in error and "`dflash-hf export`" in error
 
 
 def test_max_train_samples_trains_on_a_prefix(tiny, tmp_path):

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+TRAIN_EXPORT_FORMATS = ("dflash-hf", "official")  # what `train` writes itself; `dflash-hf export` writes the rest
+
 
 @dataclass
 class DFlashScriptArguments:
@@ -42,7 +44,11 @@ class DFlashScriptArguments:
         default=None, metadata={"help": "Final Hub-ready drafter (default OUTPUT_DIR/final)."}
     )
     export_format: str = field(
-        default="dflash-hf", metadata={"help": "'dflash-hf', 'official' (SGLang/vLLM layout) or 'speculators' (vLLM)."}
+        default="dflash-hf",
+        metadata={
+            "help": "'dflash-hf' or 'official' (SGLang/vLLM layout); the other layouts (speculators, gguf) come from "
+            "`dflash-hf export` of the trained drafter."
+        },
     )
     base_model: str | None = field(
         default=None, metadata={"help": "Hub id of the target for the model card (needed when --target is a folder)."}
@@ -126,8 +132,11 @@ def train(script: DFlashScriptArguments, config) -> dict:
     from dflash_hf.targets import load_target
     from dflash_hf.trainers import DFlashTrainer
 
-    if script.export_format not in ("dflash-hf", "official"):
-        raise ValueError(f"--export_format must be 'dflash-hf' or 'official', got {script.export_format!r}.")
+    if script.export_format not in TRAIN_EXPORT_FORMATS:
+        raise ValueError(
+            f"--export_format must be 'dflash-hf' or 'official', got {script.export_format!r}: export the trained "
+            "drafter in other layouts with `dflash-hf export`."
+        )
     base_model = _base_model(script)
     _follow_log_level(config)
     folders = [p.strip() for p in script.data.split(",") if p.strip()]
@@ -265,11 +274,8 @@ def _training_facts(trainer, config, result, last: dict, wall: float, data: str)
 
 
 def _export(drafter, export_dir: str, target, script: DFlashScriptArguments, training: dict, base_model: str) -> Path:
-    try:
-        from dflash_hf.hub.export import export
-    except ImportError:  # exporter not available: plain save_pretrained
-        drafter.save_pretrained(export_dir)
-        return Path(export_dir)
+    from dflash_hf.hub.export import export
+
     return export(
         drafter,
         export_dir,

@@ -14,11 +14,6 @@ def _layers(cache: DynamicCache):
     return [layer for layer in cache.layers if getattr(layer, "is_initialized", True) and layer.keys is not None]
 
 
-def cache_length(cache: DynamicCache) -> int:
-    """Number of positions held by the cache."""
-    return cache.get_seq_length()
-
-
 def truncate_cache(cache: DynamicCache, length: int) -> None:
     """Keep the first `length` positions of every layer (a view: rolling back costs no copy)."""
     for layer in _layers(cache):
