@@ -21,8 +21,7 @@ from ..data.prompts import encode_prompt
 from ..engine.acceptance import DEFAULT_SAMPLING_PROPOSAL, SAMPLING_PROPOSALS
 from ..engine.checks import check_context_length
 from ..engine.generation import generate
-from ..engine.generation_call import CANDIDATE_SOURCES, DEFAULT_CANDIDATES
-from ..engine.tree import verify_width
+from ..engine.tree import CANDIDATE_SOURCES, DEFAULT_CANDIDATES, verify_width
 from ..modeling import DFlashConfig
 from ..runtime import Stopwatch, mkl_choice, mkl_mode
 from ..targets import resolve_drafter_dir

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.logits_process import (
@@ -13,7 +15,10 @@ from transformers.generation.logits_process import (
     UnbatchedClassifierFreeGuidanceLogitsProcessor,
 )
 
+from ..modeling import DFlashDraftModel
+from .acceptance import SAMPLING_PROPOSALS
 from .processing import EXACT_PROCESSORS
+from .tree import CANDIDATE_SOURCES
 
 # The generation argument that adds each processor the engine refuses (anything else came in `logits_processor`).
 _ARGUMENT_OF = {
@@ -140,3 +145,31 @@ def check_logits_processors(logits_processor: LogitsProcessorList | None) -> Non
             "per row and drafted token, which is exact only for the stateless Transformers processors it lists in "
             f"`dflash_hf.engine.processing.EXACT_PROCESSORS`; drop `{argument}`, or decode with plain `target.generate`."
         )
+
+
+def check_options(candidates: str, sampling_proposal: str, lookup_tokens: int | None) -> None:
+    """Refuse an unknown `candidates` or `sampling_proposal`, and a `lookup_tokens` that is no int >= 1 or `None`
+    (a `ValueError` naming the valid values)."""
+    if candidates not in CANDIDATE_SOURCES:
+        raise ValueError(
+            f"candidates must be one of {CANDIDATE_SOURCES}, got {candidates!r}: 'dflash' verifies the DFlash "
+            "block, 'dflash+lookup' also a prompt-lookup continuation in the same target forward."
+        )
+    if sampling_proposal not in SAMPLING_PROPOSALS:
+        raise ValueError(
+            f"sampling_proposal must be one of {SAMPLING_PROPOSALS}, got {sampling_proposal!r}: 'argmax' drafts "
+            "each slot's most likely token, 'sample' samples each slot from the drafter's distribution."
+        )
+    if lookup_tokens is not None and (
+        isinstance(lookup_tokens, bool) or not isinstance(lookup_tokens, numbers.Integral) or lookup_tokens < 1
+    ):
+        raise ValueError(
+            f"lookup_tokens must be an int >= 1 (the longest prompt-lookup continuation verified with the block) "
+            f"or None (the default, see `lookup_branch_length`), got {lookup_tokens!r}."
+        )
+
+
+def check_drafter(drafter) -> None:
+    """Refuse a `drafter` that is no `DFlashDraftModel` (also one loaded through its checkpoint's remote code)."""
+    if not isinstance(drafter, DFlashDraftModel) and type(drafter).__name__ != "DFlashDraftModel":
+        raise ValueError(f"`drafter` must be a DFlashDraftModel, got {type(drafter).__name__}.")

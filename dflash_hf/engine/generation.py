@@ -33,8 +33,9 @@ from .checks import (
     check_prompt_is_token_ids,
     check_request,
 )
-from .generation_call import DEFAULT_CANDIDATES, GenerationCall
+from .generation_call import GenerationCall
 from .output import DFlashGenerateOutput
+from .tree import DEFAULT_CANDIDATES
 
 __all__ = ["DFlashGenerateOutput", "custom_generate", "generate"]
 

@@ -3,13 +3,12 @@
 [`GenerationCall`] runs prefill, then draft / re-align / verify / commit cycles until every row has stopped
 (docs/design.md, "The inference cycle"); `dflash_hf.engine.generation` holds the public entry points around it.
 The steps are methods of one class because they all read and edit the same call state (sequences, caches, active
-rows, statistics); that is why this module runs past ~400 lines. The pure parts live next to it: acceptance rules
-(`acceptance`), cache edits (`cache_ops`), block-size policies (`block_size`), the two-candidate tree (`tree`).
+rows, statistics). The pure parts live next to it: option checks (`checks`), acceptance rules (`acceptance`), cache
+edits (`cache_ops`), block-size policies (`block_size`), the two-candidate tree (`tree`).
 """
 
 from __future__ import annotations
 
-import numbers
 import time
 import warnings
 from dataclasses import dataclass
@@ -24,14 +23,16 @@ from ..modeling import DFlashDraftModel
 from ..runtime import Stopwatch
 from ..special_tokens import first_token_id
 from . import row_exact
-from .acceptance import DEFAULT_SAMPLING_PROPOSAL, SAMPLING_PROPOSALS, greedy_accept, rejection_sample
+from .acceptance import DEFAULT_SAMPLING_PROPOSAL, greedy_accept, rejection_sample
 from .adapters import TargetAdapter
 from .block_size import BlockSizePolicy, make_block_size_policy
 from .cache_ops import keep_path, select_rows, shift_cache_right, shift_right, truncate_cache
+from .checks import check_drafter, check_options
 from .grouped_attention import grouped_attention
 from .output import DFlashGenerateOutput
 from .processing import BlockLogitsProcessor
 from .tree import (
+    DEFAULT_CANDIDATES,
     LookupBranchChoice,
     lookup_branch_length,
     lookup_continuation,
@@ -42,10 +43,6 @@ from .tree import (
     tree_layout,
     verify_width,
 )
-
-CANDIDATE_SOURCES = ("dflash", "dflash+lookup")
-# measured: the lookup branch raised tau and speed on both bench prompt sets (README, "Two candidates per verify")
-DEFAULT_CANDIDATES = "dflash+lookup"
 
 
 def _plain_stop_token_ids(stopping_criteria: StoppingCriteriaList) -> set[int] | None:
@@ -124,27 +121,8 @@ class GenerationCall:
         candidates: str = DEFAULT_CANDIDATES,
         lookup_tokens: int | None = None,
     ) -> None:
-        # long because it checks three user arguments, each with an error that names the fix, before it sets up the
-        # call state every step reads; splitting it would only move those lines behind another call
-        if candidates not in CANDIDATE_SOURCES:
-            raise ValueError(
-                f"candidates must be one of {CANDIDATE_SOURCES}, got {candidates!r}: 'dflash' verifies the DFlash "
-                "block, 'dflash+lookup' also a prompt-lookup continuation in the same target forward."
-            )
-        if sampling_proposal not in SAMPLING_PROPOSALS:
-            raise ValueError(
-                f"sampling_proposal must be one of {SAMPLING_PROPOSALS}, got {sampling_proposal!r}: 'argmax' drafts "
-                "each slot's most likely token, 'sample' samples each slot from the drafter's distribution."
-            )
-        if lookup_tokens is not None and (
-            isinstance(lookup_tokens, bool) or not isinstance(lookup_tokens, numbers.Integral) or lookup_tokens < 1
-        ):
-            raise ValueError(
-                f"lookup_tokens must be an int >= 1 (the longest prompt-lookup continuation verified with the block) "
-                f"or None (the default, see `lookup_branch_length`), got {lookup_tokens!r}."
-            )
-        if not isinstance(drafter, DFlashDraftModel) and type(drafter).__name__ != "DFlashDraftModel":
-            raise ValueError(f"`drafter` must be a DFlashDraftModel, got {type(drafter).__name__}.")
+        check_options(candidates, sampling_proposal, lookup_tokens)
+        check_drafter(drafter)
         self.adapter = TargetAdapter.for_drafter(target, drafter)
         self.drafter = drafter
         self.policy = make_block_size_policy(block_size, int(drafter.config.block_size))

@@ -14,9 +14,12 @@ from typing import NamedTuple
 
 import torch
 
+CANDIDATE_SOURCES = ("dflash", "dflash+lookup")  # what a verify checks: the DFlash block alone, or with a lookup branch
+# the bench's rows with and without the lookup branch compare the two (docs/results.md)
+DEFAULT_CANDIDATES = "dflash+lookup"
 LOOKUP_NGRAM_SIZES = (3, 2)  # longest n-gram first, as prompt lookup does; 1-grams match too often to pay
-# measured (README, "Two candidates per verify"): with B = 4, branches of up to 7 tokens beat branches of B - 1 on both
-# bench prompt sets (float32, 2-core CPU, where a verify of 11 tokens costs about what one of 7 costs)
+# the bench's lookup-branch rows compare this length with shorter branches (docs/results.md); what a wider verify
+# costs on a machine is in its `dflash-hf profile` output
 DEFAULT_LOOKUP_TOKENS = 7
 
 
