@@ -8,8 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_oracle, make_target
-from test_targets import make_llama, make_tokenizer, save_tiny_target
+from testing_utils import make_llama, make_oracle, make_target, make_word_tokenizer, save_tiny_target
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, bench, cli, runtime
 from dflash_hf.commands.bench import _command_line
@@ -305,14 +304,14 @@ def test_bad_input_is_refused(setup, tmp_path):
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         bench.run_bench(target, drafter, prompts, max_new_tokens=0)
     with pytest.raises(ValueError, match="Unknown prompt set"):
-        bench.load_bench_prompts("no-such-set", make_tokenizer(), num_prompts=1)
+        bench.load_bench_prompts("no-such-set", make_word_tokenizer(), num_prompts=1)
     (tmp_path / "broken.json").write_text("{")
     with pytest.raises(ValueError, match="not valid JSON"):
         bench.render_markdown(tmp_path / "broken.json")
 
 
 def test_prompt_sources(tmp_path):
-    tokenizer = make_tokenizer()
+    tokenizer = make_word_tokenizer()
     rows = [
         {"id": "a", "messages": [{"role": "system", "content": "be nice"}, {"role": "user", "content": "the cat sat"}]},
         {"prompt": "the dog ran far and then it was " * 30},  # too long
@@ -355,7 +354,7 @@ def _benchmark_files(folder, names=("gsm8k", "math500", "mbpp", "mt-bench")):
 
 
 def test_named_benchmarks_read_local_files_offline(tmp_path, monkeypatch):
-    tokenizer = make_tokenizer()
+    tokenizer = make_word_tokenizer()
     folder = _benchmark_files(tmp_path / "bench-prompts")
     prompts, info = bench.load_bench_prompts("gsm8k,mbpp", tokenizer, num_prompts=2, prompts_dir=folder)
     assert [(p.benchmark, p.id) for p in prompts] == [
@@ -374,11 +373,11 @@ def test_named_benchmark_without_a_local_file_offline_names_the_fix(tmp_path, mo
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("DFLASH_HF_BENCH_PROMPTS", raising=False)
     with pytest.raises(ValueError, match="no --prompts-dir .* is set: pass --prompts-dir DIR holding math500.jsonl"):
-        bench.load_bench_prompts("math500", make_tokenizer(), num_prompts=1)
+        bench.load_bench_prompts("math500", make_word_tokenizer(), num_prompts=1)
     with pytest.raises(ValueError, match="mbpp.jsonl does not exist"):
-        bench.load_bench_prompts("mbpp", make_tokenizer(), num_prompts=1, prompts_dir=tmp_path)
+        bench.load_bench_prompts("mbpp", make_word_tokenizer(), num_prompts=1, prompts_dir=tmp_path)
     with pytest.raises(ValueError, match="No prompt set named"):
-        bench.load_bench_prompts(" , ", make_tokenizer(), num_prompts=1)
+        bench.load_bench_prompts(" , ", make_word_tokenizer(), num_prompts=1)
 
 
 def test_named_benchmarks_online_come_from_the_hub_formatted_as_the_papers(monkeypatch):
@@ -396,7 +395,7 @@ def test_named_benchmarks_online_come_from_the_hub_formatted_as_the_papers(monke
         return [{"question": "the dog ran", "problem": "the dog ran"}]
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    tokenizer = make_tokenizer()
+    tokenizer = make_word_tokenizer()
     gsm8k, info = bench.load_bench_prompts("gsm8k,mt-bench", tokenizer, num_prompts=1, use_chat_template=False)
     assert asked == [("openai/gsm8k", "main", "test"), ("HuggingFaceH4/mt_bench_prompts", None, "train")]
     assert gsm8k[0].text == "the dog ran\nPlease reason step by step, and put your final answer within \\boxed{}."

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import make_oracle, make_target
+from testing_utils import make_oracle, make_target
 
 import dflash_hf
 from dflash_hf.engine.block_size import AdaptiveBlockSize, FixedBlockSize, make_block_size_policy

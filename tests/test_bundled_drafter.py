@@ -13,7 +13,7 @@ import dflash_hf.modeling
 import pytest
 import torch
 from dflash_hf.trainers import DFlashTrainer, DFlashTrainingConfig, accepted_drafts
-from test_cli_generate import COMPARE
+from testing_utils import COMPARE
 
 import dflash_hf
 from dflash_hf import cli, targets

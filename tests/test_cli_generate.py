@@ -7,17 +7,10 @@ import re
 
 import pytest
 import torch
-from test_targets import make_llama, save_tiny_target
+from testing_utils import COMPARE, SUMMARY, make_llama, save_tiny_target
 from transformers import AutoTokenizer
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, cli, precision, runtime, targets
-
-NUMBER = r"\d+\.\d\d"
-SUMMARY = rf"^tokens: (\d+) \| tau: {NUMBER} \| {NUMBER} tokens/s$"
-COMPARE = (
-    rf"^tokens: (\d+) \| tau: {NUMBER} \| {NUMBER} tokens/s \| plain (greedy|sampling) \((float32|bfloat16)\): {NUMBER} tokens/s "
-    rf"\| speedup: {NUMBER}x \| identical: (yes|no|n/a \(sampling\))$"
-)
 
 
 @pytest.fixture(scope="module")

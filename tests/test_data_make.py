@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from test_train_helpers import PROMPTS, make_tiny_target, make_tokenizer, one_thread, write_prompts
+from testing_utils import PROMPTS, make_tiny_target, make_tokenizer, one_thread, write_prompts
 
 import dflash_hf.data.make as data_mod
 import dflash_hf.data.prompts as prompts_mod
@@ -17,11 +17,7 @@ from dflash_hf.data.features import OfflineFeatureDataset, cache_features, read_
 from dflash_hf.data.make import load_training_data, make_data
 from dflash_hf.data.prompts import iter_json_array, load_prompts, split_of
 
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

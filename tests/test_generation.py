@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import (
+from testing_utils import (
     GEMMA_SLIDING_WINDOW,
     greedy_reference,
     make_drafter,
@@ -186,7 +186,7 @@ def test_spec_generate_method_matches_function():
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
 def test_other_supported_families_are_lossless(family):
-    from conftest import COMMON
+    from testing_utils import COMMON
     from transformers import (
         MistralConfig,
         MistralForCausalLM,

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from conftest import FAMILIES, GEMMA_SLIDING_WINDOW, VOCAB, make_drafter, make_target
+from testing_utils import FAMILIES, GEMMA_SLIDING_WINDOW, VOCAB, make_drafter, make_target
 from transformers.cache_utils import DynamicCache
 
 from dflash_hf import generate

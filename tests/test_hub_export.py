@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
-from conftest import make_drafter, make_target
 from huggingface_hub import metadata_load
+from testing_utils import make_drafter, make_target
 
 import dflash_hf
 from dflash_hf import DFlashDraftModel

@@ -14,8 +14,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import make_drafter, make_target
 from dflash_hf.modeling import DFlashDraftModel
+from testing_utils import make_drafter, make_target
 
 import dflash_hf
 from dflash_hf.cli import main as cli_main

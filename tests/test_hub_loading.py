@@ -7,8 +7,8 @@ import pickle
 
 import pytest
 import torch
-from conftest import make_drafter, make_target
 from safetensors.torch import load_file, save_file
+from testing_utils import make_drafter, make_target
 from transformers import Qwen3Config
 
 import dflash_hf

@@ -8,8 +8,8 @@ import sys
 
 import huggingface_hub
 import pytest
-from conftest import make_drafter, make_target
 from safetensors.torch import load_file, save_file
+from testing_utils import make_drafter, make_target
 
 import dflash_hf
 from dflash_hf.cli import main as cli_main

@@ -10,8 +10,8 @@ import json
 
 import pytest
 import torch
-from conftest import make_drafter, make_target
 from safetensors.torch import load_file, save_file
+from testing_utils import make_drafter, make_target
 
 import dflash_hf
 from dflash_hf.engine.adapters import TargetAdapter

@@ -7,17 +7,26 @@ import json
 
 import pytest
 import torch
-from conftest import VOCAB, greedy_reference, make_drafter, make_target
 from dflash_hf.trainers import DFlashDataCollator, DFlashTrainer, sample_anchors
 from dflash_hf.trainers.masks import build_blocks
 from safetensors.torch import load_file
-from test_sampling import _bound, _chi_square, _exact_joint_of_tokens_2_and_3, _tiny_models
-from test_train_helpers import make_tiny_target, make_tokenizer, one_thread, tiny_train_config, write_prompts
+from testing_utils import (
+    VOCAB,
+    chi_square,
+    chi_square_bound,
+    exact_joint_of_tokens_2_and_3,
+    greedy_reference,
+    make_drafter,
+    make_target,
+    tiny_sampling_models,
+    tiny_train_config,
+    write_prompts,
+)
 
 import dflash_hf
 import dflash_hf.engine.generation_call as generation_call
 from dflash_hf import DFlashConfig, DFlashDraftModel
-from dflash_hf.data.make import load_training_data, make_data
+from dflash_hf.data.make import make_data
 from dflash_hf.hub.speculators import config_from_speculators
 
 BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -261,12 +270,12 @@ def test_native_path_drafts_without_the_head(monkeypatch):
 
 @pytest.fixture(scope="module")
 def sampling_setup():
-    target, plain = _tiny_models()
+    target, plain = tiny_sampling_models()
     drafter = DFlashDraftModel(DFlashConfig(**{**plain.config.to_dict(), "markov_rank": 4})).eval()
     drafter.load_state_dict(plain.state_dict(), strict=False)
     random_head(drafter, seed=2, std=1.5)
     prompt = torch.tensor([[3, 5, 1, 6]])
-    return target, drafter, prompt, _exact_joint_of_tokens_2_and_3(target, prompt)
+    return target, drafter, prompt, exact_joint_of_tokens_2_and_3(target, prompt)
 
 
 @pytest.mark.parametrize("proposal", ["sample", "argmax"])
@@ -274,8 +283,8 @@ def test_sampling_through_the_head_matches_the_target_distribution(sampling_setu
     """Each slot sampled from its corrected distribution given the slot before it, those distributions verified:
     the tokens follow the target's own distribution (chi-square against the exact joint of tokens 2 and 3)."""
     target, drafter, prompt, expected = sampling_setup
-    statistic, cells = _chi_square(target, drafter, prompt, expected, proposal)
-    assert statistic < _bound(cells), statistic
+    statistic, cells = chi_square(target, drafter, prompt, expected, proposal)
+    assert statistic < chi_square_bound(cells), statistic
 
 
 def test_verifying_the_uncorrected_distributions_is_caught(sampling_setup, monkeypatch):
@@ -289,30 +298,11 @@ def test_verifying_the_uncorrected_distributions_is_caught(sampling_setup, monke
         return tokens, self._draft_tokens(draft_logits, rows)[1]
 
     monkeypatch.setattr(generation_call.GenerationCall, "_draft_chain", uncorrected_probs)
-    statistic, cells = _chi_square(target, drafter, prompt, expected, "sample")
-    assert statistic > _bound(cells), statistic
+    statistic, cells = chi_square(target, drafter, prompt, expected, "sample")
+    assert statistic > chi_square_bound(cells), statistic
 
 
 # ---------------------------------------------------------------------------------------------------- training
-
-
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory):
-    with one_thread():
-        target = make_tiny_target("llama")
-        tokenizer = make_tokenizer()
-        root = tmp_path_factory.mktemp("markov")
-        prompts = write_prompts(root / "prompts.jsonl")
-        make_data(
-            target,
-            tokenizer,
-            root / "data",
-            source=str(prompts),
-            max_new_tokens=24,
-            held_out_fraction=0.0,
-            progress=False,
-        )
-        return target, tokenizer, load_training_data(root / "data")
 
 
 def markov_trainer(tiny_data, output_dir, model=None, **overrides):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_drafter, make_target, make_target_config
+from testing_utils import make_drafter, make_target, make_target_config
 from transformers import (
     AutoConfig,
     AutoModel,

@@ -8,8 +8,15 @@ import os
 
 import pytest
 import torch
-from conftest import FAMILIES, GEMMA_SLIDING_WINDOW, make_drafter, make_oracle, make_target
-from test_targets import make_llama, save_tiny_target
+from testing_utils import (
+    FAMILIES,
+    GEMMA_SLIDING_WINDOW,
+    make_drafter,
+    make_llama,
+    make_oracle,
+    make_target,
+    save_tiny_target,
+)
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, cli, generate, mkl_choice, runtime, targets
 from dflash_hf import precision as precision_module

@@ -3,7 +3,7 @@ line of the message), concurrent calls on one shared target, mixed drafter/targe
 file modes of what is published, and SIGKILLs of `make-data` and `train` (also during a checkpoint save) followed by
 a resume that must lose and duplicate nothing.
 
-Everything runs on the tiny random models of `conftest.py` / `test_targets.py`; kills are real SIGKILLs of forked
+Everything runs on the tiny random models of `testing_utils.py`; kills are real SIGKILLs of forked
 children, sent by the child itself at a chosen point so that the test is deterministic.
 """
 
@@ -22,13 +22,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import greedy_reference, make_drafter, make_target
 from dflash_hf.trainers import checkpointing as checkpointing_module
 from dflash_hf.trainers import trainer as trainer_module
 from dflash_hf.trainers.checkpoint_io import last_complete_checkpoint
 from safetensors.torch import load_file
-from test_targets import make_llama, save_tiny_target
-from test_train_helpers import make_tokenizer, write_prompts
+from testing_utils import (
+    greedy_reference,
+    make_drafter,
+    make_llama,
+    make_target,
+    make_tokenizer,
+    save_tiny_target,
+    write_prompts,
+)
 from transformers import AutoModel, LlamaConfig
 
 import dflash_hf

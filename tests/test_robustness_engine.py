@@ -10,8 +10,7 @@ import re
 
 import pytest
 import torch
-from conftest import make_drafter, make_oracle, make_target, strip
-from test_train_helpers import make_tokenizer
+from testing_utils import make_drafter, make_oracle, make_target, make_tokenizer, strip
 from tokenizers import decoders
 from transformers import WatermarkingConfig
 from transformers.generation.logits_process import (

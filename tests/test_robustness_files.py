@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_targets import WORDS, make_llama, save_tiny_target
+from testing_utils import WORDS, make_llama, save_tiny_target
 
 import dflash_hf
 from dflash_hf import DFlashConfig, DFlashDraftModel, cli, targets

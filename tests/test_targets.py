@@ -12,59 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from testing_utils import WORD_CHAT_TEMPLATE, make_llama, save_tiny_target
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from dflash_hf import targets
 from dflash_hf.targets import MARKER_FILE, TargetSpec, cache_dir, cache_problem, load_target, resolve_target_dir
-
-WORDS = "the a cat dog sat on mat ran far and then it was red blue big small happy code def return print".split()
-SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<s> {{ message['role'] }} {{ message['content'] }} </s> {% endfor %}"
-    "{% if add_generation_prompt %}<s> assistant {% endif %}"
-)
-
-
-def make_tokenizer(chat_template: str | None = CHAT_TEMPLATE, pad: bool = True) -> PreTrainedTokenizerFast:
-    """Offline word-level tokenizer over `WORDS` (ids 0-3 are `<pad> <s> </s> <unk>`)."""
-    vocab = {token: i for i, token in enumerate(SPECIAL + WORDS)}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        pad_token="<pad>" if pad else None,
-    )
-    tokenizer.chat_template = chat_template
-    return tokenizer
-
-
-def make_llama(seed: int = 0) -> LlamaForCausalLM:
-    """Tiny random LLaMA (6 layers) over the word-level vocabulary."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(SPECIAL) + len(WORDS),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
-def save_tiny_target(folder: Path, chat_template: str | None = CHAT_TEMPLATE, seed: int = 0) -> Path:
-    make_llama(seed).save_pretrained(folder)
-    make_tokenizer(chat_template).save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture
@@ -229,7 +181,7 @@ def test_local_folder_target(tmp_path):
     model, tokenizer = load_target(folder)
     assert isinstance(model, LlamaForCausalLM) and not model.training
     assert model.generation_config.pad_token_id == tokenizer.pad_token_id == 0
-    assert tokenizer.chat_template == CHAT_TEMPLATE
+    assert tokenizer.chat_template == WORD_CHAT_TEMPLATE
     with pytest.raises(ValueError, match="rebuild"):
         load_target(folder, rebuild=True)
 

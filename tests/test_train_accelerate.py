@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-from test_train_helpers import make_tiny_target, make_tokenizer, one_thread, write_prompts
+from testing_utils import make_tiny_target, make_tokenizer, one_thread, write_prompts
 
 from dflash_hf.cli import main as cli_main
 

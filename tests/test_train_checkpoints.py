@@ -14,17 +14,14 @@ import pytest
 import torch
 from dflash_hf.trainers import DFlashTrainer, DFlashTrainingConfig
 from dflash_hf.trainers.checkpoint_io import capture_rng_state, load_state, restore_rng_state, save_state
-from test_train_helpers import make_tiny_target, make_tokenizer, one_thread, write_prompts
+from testing_utils import make_tiny_target, make_tokenizer, one_thread, write_prompts
 
 from dflash_hf.data.make import load_training_data, make_data
 
 PICKLE_MAGIC = (b"\x80", b"PK\x03\x04")  # pickle protocol >= 2; torch.save's zip container
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

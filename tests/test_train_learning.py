@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from dflash_hf.trainers import DFlashTrainer, DFlashTrainingConfig
-from test_train_helpers import PROMPTS, make_tiny_target, make_tokenizer, one_thread, write_prompts
+from testing_utils import PROMPTS, make_tiny_target, make_tokenizer, one_thread, write_prompts
 
 from dflash_hf import DFlashDraftModel, generate
 from dflash_hf.data.make import load_training_data, make_data

@@ -17,13 +17,9 @@ from dflash_hf.trainers import (
     sample_anchors,
     slot_loss_weights,
 )
-from test_train_helpers import make_tiny_target, make_tokenizer, one_thread
+from testing_utils import make_tiny_target, make_tokenizer
 
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def naive_mask(anchors, valid, seq_len, block):

@@ -7,10 +7,7 @@ import torch
 from dflash_hf.trainers import DFlashTrainer
 from dflash_hf.trainers import metrics as metrics_module
 from dflash_hf.trainers.metrics import dpace_slot_weights
-from test_train_helpers import make_tiny_target, make_tokenizer, one_thread, tiny_train_config, write_prompts
-from test_train_trainer import fixed_batch
-
-from dflash_hf.data.make import load_training_data, make_data
+from testing_utils import fixed_batch, one_thread, tiny_train_config
 
 
 def test_dpace_weights_are_each_slots_effect_on_the_expected_accepted_length():
@@ -43,23 +40,10 @@ def test_loss_weighting_is_validated(tmp_path):
         tiny_train_config(tmp_path, loss_weighting="linear")
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    with one_thread():
-        target = make_tiny_target("llama")
-        tok = make_tokenizer()
-        root = tmp_path_factory.mktemp("metrics")
-        prompts = write_prompts(root / "prompts.jsonl")
-        make_data(
-            target, tok, root / "data", source=str(prompts), max_new_tokens=24, held_out_fraction=0.0, progress=False
-        )
-        return target, tok, load_training_data(root / "data")
-
-
-def test_trainer_weights_the_loss_by_dpace(tiny, tmp_path, monkeypatch):
+def test_trainer_weights_the_loss_by_dpace(tiny_data, tmp_path, monkeypatch):
     """With `loss_weighting="dpace"` the loss is the cross-entropy weighted by D-PACE weights of the drafter's own
     label probabilities; with the default it is not."""
-    target, tok, data = tiny
+    target, tok, data = tiny_data
     with one_thread():
         trainer = DFlashTrainer(
             args=tiny_train_config(tmp_path, loss_weighting="dpace"), target=target, train_dataset=data,

@@ -11,35 +11,13 @@ from dflash_hf.trainers import DFlashDataCollator, DFlashTrainer, DFlashTraining
 from dflash_hf.trainers.initialisation import initialise_from_target
 from dflash_hf.trainers.masks import valid_anchor_positions
 from dflash_hf.trainers.optimizers import MuonWithAdamW, newton_schulz_float32_pays, orthogonalise_in_float32
-from testing_utils import make_tiny_target, make_tokenizer, one_thread, tiny_train_config, write_prompts
+from testing_utils import make_tiny_target, tiny_train_config, write_prompts
 
 from dflash_hf.data.features import OfflineFeatureDataset, cache_features
-from dflash_hf.data.make import load_training_data, make_data
+from dflash_hf.data.make import load_training_data
 from dflash_hf.engine.adapters import TargetAdapter
 
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    with one_thread():
-        target = make_tiny_target("llama")
-        tok = make_tokenizer()
-        root = tmp_path_factory.mktemp("recipe")
-        make_data(
-            target,
-            tok,
-            root / "data",
-            source=str(write_prompts(root / "prompts.jsonl")),
-            max_new_tokens=24,
-            held_out_fraction=0.0,
-            progress=False,
-        )
-        return target, tok, load_training_data(root / "data")
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 config = tiny_train_config
@@ -49,8 +27,8 @@ def full_batch(data):
     return DFlashDataCollator(pad_token_id=0)([data[i] for i in range(len(data))])
 
 
-def test_coverage_every_response_position_is_an_anchor(tiny):
-    _, _, data = tiny
+def test_coverage_every_response_position_is_an_anchor(tiny_data):
+    _, _, data = tiny_data
     batch = full_batch(data)
     lengths = batch["attention_mask"].sum(1)
     anchors, valid = sample_anchors(batch["loss_mask"], lengths, 4, num_anchors=10_000)
@@ -85,10 +63,10 @@ def _weighted_slot_loss(trainer, target, batch, anchors, slot_loss) -> float:
     return total / weight_sum
 
 
-def test_distillation_pulls_towards_the_targets_distribution(tiny, tmp_path):
+def test_distillation_pulls_towards_the_targets_distribution(tiny_data, tmp_path):
     """w=1 is exactly the cross-entropy against the target's softmax one position before each slot; w=0 is the
     hard-label loss; the mix is linear."""
-    target, tok, data = tiny
+    target, tok, data = tiny_data
     trainer = DFlashTrainer(
         args=config(tmp_path / "a", distill_weight=1.0), target=target, train_dataset=data, processing_class=tok
     )
@@ -111,10 +89,10 @@ def test_distillation_pulls_towards_the_targets_distribution(tiny, tmp_path):
     assert abs(soft.item() - _weighted_slot_loss(trainer, target, batch, anchors, soft_ce)) < 1e-4
 
 
-def test_target_hard_labels_are_the_targets_argmax(tiny, tmp_path):
+def test_target_hard_labels_are_the_targets_argmax(tiny_data, tmp_path):
     """hard_labels='target': on regenerated data the same labels as the data's; on teacher-forced (here: corrupted)
     text the target's own argmax one position before each slot, recomputed by hand."""
-    target, tok, data = tiny
+    target, tok, data = tiny_data
     trainer = DFlashTrainer(
         args=config(tmp_path / "a", hard_labels="target"), target=target, train_dataset=data, processing_class=tok
     )
@@ -145,9 +123,9 @@ def test_target_hard_labels_are_the_targets_argmax(tiny, tmp_path):
     assert abs(own - _weighted_slot_loss(trainer, target, corrupted, anchors, hard_ce)) < 1e-4
 
 
-def test_distillation_training_reaches_lower_teacher_loss(tiny, tmp_path):
+def test_distillation_training_reaches_lower_teacher_loss(tiny_data, tmp_path):
     """A few steps with w=1 lower the soft loss (the student moves towards the teacher)."""
-    target, tok, data = tiny
+    target, tok, data = tiny_data
     trainer = DFlashTrainer(
         args=config(tmp_path, distill_weight=1.0, max_steps=12, learning_rate=3e-3),
         target=target,
@@ -166,8 +144,8 @@ def test_distillation_training_reaches_lower_teacher_loss(tiny, tmp_path):
     assert after.item() < before.item() - 0.05
 
 
-def test_offline_final_hidden_matches_online_distillation(tiny, tmp_path):
-    target, tok, data = tiny
+def test_offline_final_hidden_matches_online_distillation(tiny_data, tmp_path):
+    target, tok, data = tiny_data
     trainer = DFlashTrainer(
         args=config(tmp_path / "on", distill_weight=1.0), target=target, train_dataset=data, processing_class=tok
     )
@@ -197,8 +175,8 @@ def test_offline_final_hidden_matches_online_distillation(tiny, tmp_path):
         )
 
 
-def test_init_from_target_copies_the_top_layers(tiny, tmp_path):
-    target, tok, data = tiny
+def test_init_from_target_copies_the_top_layers(tiny_data, tmp_path):
+    target, tok, data = tiny_data
     trainer = DFlashTrainer(
         args=config(tmp_path, init_from_target=True), target=target, train_dataset=data, processing_class=tok
     )
@@ -221,9 +199,9 @@ def test_init_from_target_copies_the_top_layers(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("native", [None, "AMX-BF16"])
-def test_muon_optimises_matrices_and_adamw_the_rest(native, tiny, tmp_path, monkeypatch):
+def test_muon_optimises_matrices_and_adamw_the_rest(native, tiny_data, tmp_path, monkeypatch):
     """Muon for the 2-D weights, AdamW for the rest; on a CPU without native bf16 Muon orthogonalises in float32."""
-    target, tok, data = tiny
+    target, tok, data = tiny_data
     monkeypatch.setattr("dflash_hf.runtime.native_bf16_feature", lambda: native)
     trainer = DFlashTrainer(
         args=config(tmp_path, muon=True, max_steps=2), target=target, train_dataset=data, processing_class=tok
@@ -276,8 +254,8 @@ def test_muon_float32_orthogonalisation_is_torchs_in_more_precision(shape, monke
     assert not newton_schulz_float32_pays(torch.device("cpu"))
 
 
-def test_muon_checkpoint_resumes_the_same_run(tiny, tmp_path):
-    target, tok, data = tiny
+def test_muon_checkpoint_resumes_the_same_run(tiny_data, tmp_path):
+    target, tok, data = tiny_data
     kw = dict(muon=True, max_steps=4, save_strategy="steps", save_steps=2, per_device_train_batch_size=2)
     full = DFlashTrainer(args=config(tmp_path / "full", **kw), target=target, train_dataset=data, processing_class=tok)
     full.train()
@@ -291,9 +269,9 @@ def test_muon_checkpoint_resumes_the_same_run(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("native", ["AMX-BF16", None])
-def test_bf16_autocast_trains_on_cpu(native, tiny, tmp_path, monkeypatch, caplog):
+def test_bf16_autocast_trains_on_cpu(native, tiny_data, tmp_path, monkeypatch, caplog):
     """bf16 autocast trains on any CPU; where bf16 is emulated (no native feature) the trainer says it is slow."""
-    target, tok, data = tiny
+    target, tok, data = tiny_data
     monkeypatch.setattr("dflash_hf.runtime.native_bf16_feature", lambda: native)
     with caplog.at_level(logging.WARNING, logger="dflash_hf"):
         trainer = DFlashTrainer(
@@ -308,10 +286,10 @@ def test_bf16_autocast_trains_on_cpu(native, tiny, tmp_path, monkeypatch, caplog
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # master weights stay fp32
 
 
-def test_held_out_acceptance_selects_the_best_checkpoint(tiny, tmp_path):
+def test_held_out_acceptance_selects_the_best_checkpoint(tiny_data, tmp_path):
     """Evaluation uses every anchor (deterministic), reports blockwise acceptance, and with load_best_model_at_end
     the best evaluation's weights are the ones kept; early stopping ends a run that stopped improving."""
-    target, tok, data = tiny
+    target, tok, data = tiny_data
     args = config(
         tmp_path,
         max_steps=6,
@@ -377,8 +355,8 @@ def test_train_offers_the_export_formats_it_writes(tmp_path, capsys):
     assert "--export_format must be 'dflash-hf' or 'official'" in error and "`dflash-hf export`" in error
 
 
-def test_max_train_samples_trains_on_a_prefix(tiny, tmp_path):
-    target, tok, data = tiny
+def test_max_train_samples_trains_on_a_prefix(tiny_data, tmp_path):
+    target, tok, data = tiny_data
     trainer = DFlashTrainer(
         args=config(tmp_path, max_train_samples=2), target=target, train_dataset=data, processing_class=tok
     )
@@ -388,8 +366,8 @@ def test_max_train_samples_trains_on_a_prefix(tiny, tmp_path):
         DFlashTrainingConfig(output_dir=str(tmp_path), max_train_samples=0, use_cpu=True)
 
 
-def test_skip_train_samples_trains_on_the_rows_a_grown_folder_added(tiny, tmp_path):
-    target, tok, data = tiny
+def test_skip_train_samples_trains_on_the_rows_a_grown_folder_added(tiny_data, tmp_path):
+    target, tok, data = tiny_data
     trainer = DFlashTrainer(
         args=config(tmp_path, skip_train_samples=1, max_train_samples=2),
         target=target,
@@ -407,13 +385,13 @@ def test_skip_train_samples_trains_on_the_rows_a_grown_folder_added(tiny, tmp_pa
         DFlashTrainingConfig(output_dir=str(tmp_path), skip_train_samples=-1, use_cpu=True)
 
 
-def test_train_command_reads_a_yaml_recipe_and_flags_override_it(tiny, tmp_path, caplog):
+def test_train_command_reads_a_yaml_recipe_and_flags_override_it(tiny_data, tmp_path, caplog):
     """`dflash-hf train --config recipe.yaml` (TRL's parser): the file sets the recipe, command-line flags win."""
     import json
 
     from dflash_hf.cli import main as cli_main
 
-    target, tok, _ = tiny
+    target, tok, _ = tiny_data
     target.save_pretrained(tmp_path / "target")
     tok.save_pretrained(tmp_path / "target")
     from dflash_hf.data.make import make_data
@@ -463,9 +441,9 @@ def test_train_command_reads_a_yaml_recipe_and_flags_override_it(tiny, tmp_path,
     assert "draft_vocabulary_coverage" in card
 
 
-def test_a_saved_bf16_drafter_continues_training_in_fp32(tiny, tmp_path):
+def test_a_saved_bf16_drafter_continues_training_in_fp32(tiny_data, tmp_path):
     """Warm start from a checkpoint saved in bf16 (like the bundled drafter): master weights are fp32 again."""
-    target, tok, data = tiny
+    target, tok, data = tiny_data
     first = DFlashTrainer(args=config(tmp_path / "a"), target=target, train_dataset=data, processing_class=tok)
     first.model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     warm = DFlashTrainer(

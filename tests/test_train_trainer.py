@@ -10,53 +10,21 @@ from dflash_hf.trainers import (
     DFlashDataCollator,
     DFlashTrainer,
     DFlashTrainingConfig,
-    sample_anchors,
 )
 from dflash_hf.trainers.masks import build_blocks
 from safetensors.torch import load_file
-from test_train_helpers import (
-    make_tiny_target,
-    make_tokenizer,
-    one_thread,
-    tiny_train_config,
-    write_prompts,
-)
+from testing_utils import fixed_batch, make_tiny_target, tiny_train_config
 
 from dflash_hf.data.features import OfflineFeatureDataset, cache_features, read_index
-from dflash_hf.data.make import load_training_data, make_data
 
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    with one_thread():
-        target = make_tiny_target("llama")
-        tok = make_tokenizer()
-        root = tmp_path_factory.mktemp("train")
-        prompts = write_prompts(root / "prompts.jsonl")
-        make_data(
-            target, tok, root / "data", source=str(prompts), max_new_tokens=24, held_out_fraction=0.0, progress=False
-        )
-        return target, tok, load_training_data(root / "data"), root
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 config = tiny_train_config
 
 
-def fixed_batch(trainer, data, seed=0):
-    batch = DFlashDataCollator(pad_token_id=0)([data[i] for i in range(len(data))])
-    torch.manual_seed(seed)
-    anchors = sample_anchors(batch["loss_mask"], batch["attention_mask"].sum(1), trainer.block_size, 8)
-    return batch, anchors
-
-
-def test_only_drafter_trains_and_target_is_frozen(tiny, tmp_path):
-    target, tok, data, _ = tiny
+def test_only_drafter_trains_and_target_is_frozen(tiny_data, tmp_path):
+    target, tok, data = tiny_data
     trainer = DFlashTrainer(args=config(tmp_path), target=target, train_dataset=data, processing_class=tok)
     assert not any(p.requires_grad for p in target.parameters())
     trained = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
@@ -72,21 +40,21 @@ def test_only_drafter_trains_and_target_is_frozen(tiny, tmp_path):
         assert key in log
 
 
-def test_peft_adapted_target_stays_frozen(tiny, tmp_path):
+def test_peft_adapted_target_stays_frozen(tiny_data, tmp_path):
     peft = pytest.importorskip("peft")
     target = make_tiny_target("llama", seed=3)
     lora = peft.get_peft_model(target, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
-    _, tok, data, _ = tiny
+    _, tok, data = tiny_data
     trainer = DFlashTrainer(args=config(tmp_path, max_steps=1), target=lora, train_dataset=data, processing_class=tok)
     assert not any(p.requires_grad for p in lora.parameters())
     trainer.train()
     assert trainer.state.global_step == 1
 
 
-def test_flex_attention_matches_dense_sdpa(tiny, tmp_path):
+def test_flex_attention_matches_dense_sdpa(tiny_data, tmp_path):
     """Same loss from the flex BlockMask and the dense boolean SDPA mask. On CPU torch has no flex backward, so the
     comparison is forward-only here (a GPU run trains with flex)."""
-    target, tok, data, _ = tiny
+    target, tok, data = tiny_data
     trainer = DFlashTrainer(args=config(tmp_path), target=target, train_dataset=data, processing_class=tok)
     batch, anchors = fixed_batch(trainer, data)
     with torch.no_grad():
@@ -99,8 +67,8 @@ def test_flex_attention_matches_dense_sdpa(tiny, tmp_path):
     assert abs(dense.item() - eager.item()) < 1e-5
 
 
-def test_offline_features_match_online(tiny, tmp_path):
-    target, tok, data, _ = tiny
+def test_offline_features_match_online(tiny_data, tmp_path):
+    target, tok, data = tiny_data
     trainer = DFlashTrainer(args=config(tmp_path / "on"), target=target, train_dataset=data, processing_class=tok)
     layer_ids = trainer.model.config.target_layer_ids
     feats = tmp_path / "features"
@@ -130,9 +98,9 @@ def test_offline_features_match_online(tiny, tmp_path):
         OfflineFeatureDataset(data, feats, [0, 5])
 
 
-def test_offline_features_of_several_data_folders(tiny, tmp_path):
+def test_offline_features_of_several_data_folders(tiny_data, tmp_path):
     """`--data a,b --features_dir fa,fb`: each row reads its features from its own folder, in order."""
-    target, _, data, _ = tiny
+    target, _, data = tiny_data
     head, tail = data.select(range(3)), data.select(range(3, len(data)))
     cache_features(target, head, tmp_path / "fa", [1, 3], batch_size=2, shard_bytes=1, progress=False)
     cache_features(target, tail, tmp_path / "fb", [1, 3], batch_size=2, progress=False)
@@ -149,8 +117,8 @@ def test_offline_features_of_several_data_folders(tiny, tmp_path):
         OfflineFeatureDataset(data, tmp_path / "fa", [1, 3])
 
 
-def test_cache_features_resumes(tiny, tmp_path, monkeypatch):
-    target, _, data, _ = tiny
+def test_cache_features_resumes(tiny_data, tmp_path, monkeypatch):
+    target, _, data = tiny_data
     import dflash_hf.data.features as features
 
     calls = {"n": 0}
@@ -181,9 +149,9 @@ def test_cache_features_resumes(tiny, tmp_path, monkeypatch):
         cache_features(target, data, tmp_path / "f", [0, 3], progress=False)
 
 
-def test_cache_features_from_a_first_row(tiny, tmp_path):
+def test_cache_features_from_a_first_row(tiny_data, tmp_path):
     """`first_row` leaves the rows before it out; a run that skips them (skip_train_samples) trains on the folder."""
-    target, tok, data, _ = tiny
+    target, tok, data = tiny_data
     same = dict(batch_size=2, progress=False)  # the same batches either way (padding changes the last digits)
     cache_features(target, data, tmp_path / "all", [1, 3], **same)
     reference = OfflineFeatureDataset(data, tmp_path / "all", [1, 3])
@@ -214,9 +182,9 @@ def test_cache_features_from_a_first_row(tiny, tmp_path):
         )
 
 
-def test_cache_features_extends_a_grown_dataset(tiny, tmp_path):
+def test_cache_features_extends_a_grown_dataset(tiny_data, tmp_path):
     """make-data appends rows when rerun with more samples: the stored shards are kept, only the new rows computed."""
-    target, _, data, _ = tiny
+    target, _, data = tiny_data
     feats = tmp_path / "f"
     head = data.select(range(len(data) - 2))
     first = cache_features(target, head, feats, [1, 3], batch_size=2, shard_bytes=1, progress=False)
@@ -239,9 +207,9 @@ def test_cache_features_extends_a_grown_dataset(tiny, tmp_path):
         cache_features(target, head, feats, [1, 3], progress=False)
 
 
-def test_resume_continues_the_same_run(tiny, tmp_path):
+def test_resume_continues_the_same_run(tiny_data, tmp_path):
     """Interrupted at step 2 and resumed = uninterrupted: same weights (optimizer, scheduler, RNG, step restored)."""
-    target, tok, data, _ = tiny
+    target, tok, data = tiny_data
     kw = dict(max_steps=4, save_strategy="steps", save_steps=2, per_device_train_batch_size=2)
     full = DFlashTrainer(args=config(tmp_path / "full", **kw), target=target, train_dataset=data, processing_class=tok)
     full.train()
@@ -271,12 +239,12 @@ def test_bad_config_is_rejected(tmp_path):
         DFlashTrainer(args=DFlashTrainingConfig(output_dir=str(tmp_path), use_cpu=True))
 
 
-def test_reduced_draft_vocabulary_from_response_tokens(tiny, tmp_path, caplog):
+def test_reduced_draft_vocabulary_from_response_tokens(tiny_data, tmp_path, caplog):
     from collections import Counter
 
     from dflash_hf.trainers.vocabulary import frequent_response_tokens
 
-    target, tok, data, _ = tiny
+    target, tok, data = tiny_data
     counts = Counter(t for row in data for t, m in zip(row["input_ids"], row["loss_mask"]) if m)
     size = min(8, len(counts))
     caplog.set_level(logging.INFO, logger="dflash_hf")

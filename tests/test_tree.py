@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import GEMMA_SLIDING_WINDOW, greedy_reference, make_drafter, make_oracle, make_target
+from testing_utils import GEMMA_SLIDING_WINDOW, greedy_reference, make_drafter, make_oracle, make_target
 
 import dflash_hf
 import dflash_hf.engine.generation_call as generation_call

@@ -1,0 +1,404 @@
+"""Builders shared by the tests: tiny random targets of every supported family, drafters built for them, an oracle
+drafter, offline tokenizers, tiny prompt files and training configs, saved target folders, the chi-square check of
+sampling, and the patterns of `generate`'s summary line.
+
+Everything is built in-process from configs; nothing is ever downloaded. Fixtures live in `conftest.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import string
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+import dflash_hf
+from dflash_hf import DFlashConfig, DFlashDraftModel
+
+# ------------------------------------------------------------------------------------- tiny targets and drafters
+
+VOCAB = 64
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    initializer_range=0.3,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+GEMMA_SLIDING_WINDOW = 8
+FAMILIES = ["qwen3", "llama", "gemma3"]
+
+
+def make_target_config(family: str, vocab_size: int = VOCAB):
+    """Tiny config of a supported target family (Gemma: sliding window 8, softcapping on)."""
+    common = {**COMMON, "vocab_size": vocab_size}
+    if family == "qwen3":
+        return Qwen3Config(**common, tie_word_embeddings=False)
+    if family == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=False)
+    if family == "gemma3":
+        return Gemma3TextConfig(
+            **common,
+            sliding_window=GEMMA_SLIDING_WINDOW,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+            final_logit_softcapping=30.0,
+            query_pre_attn_scalar=16,
+            tie_word_embeddings=False,
+        )
+    raise ValueError(family)
+
+
+def make_target(family: str, seed: int = 0, attn_implementation: str = "sdpa", vocab_size: int = VOCAB):
+    torch.manual_seed(seed)
+    config = make_target_config(family, vocab_size)
+    config._attn_implementation = attn_implementation
+    cls = {"qwen3": Qwen3ForCausalLM, "llama": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM}[family]
+    model = cls(config).eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = 2
+    return model
+
+
+def make_tiny_target(family: str = "llama", seed: int = 0, vocab_size: int = 64):
+    """A tiny random target (hidden 64, 6 layers) of a supported family, built offline (see `make_target`)."""
+    return make_target(family, seed=seed, vocab_size=vocab_size)
+
+
+def make_drafter(target, seed: int = 1, block_size: int = 4, num_layers: int = 2, **kwargs) -> DFlashDraftModel:
+    torch.manual_seed(seed)
+    config = DFlashConfig.from_target(
+        target.config, num_hidden_layers=num_layers, block_size=block_size, num_target_features=2, **kwargs
+    )
+    return DFlashDraftModel(config).eval()
+
+
+class OracleDrafter(DFlashDraftModel):
+    """A drafter rigged to propose the target's own greedy continuation.
+
+    For every block it looks up the reference continuation of the row (identified by the anchor's position and id;
+    ambiguous anchors get junk proposals)
+    and returns hidden states that the target's square LM head maps onto exactly those tokens. `corrupt` lists
+    `(position, slot)` pairs where it proposes a wrong token instead, to vary acceptance lengths across rows.
+    """
+
+    def setup(self, target, references: list[list[int]], corrupt=None) -> "OracleDrafter":
+        weight = target.get_output_embeddings().weight.detach().double()
+        if weight.shape[0] != weight.shape[1]:
+            raise ValueError("the oracle needs a square LM head (vocab == hidden)")
+        self._inverse = torch.linalg.inv(weight)
+        self._by_anchor = {}
+        for row, tokens in enumerate(references):
+            for pos, tok in enumerate(tokens):
+                key = (pos, tok)
+                # an anchor shared by two rows is ambiguous: propose junk there (still a valid proposal)
+                self._by_anchor[key] = row if self._by_anchor.get(key, row) == row else None
+        self._references = references
+        self._corrupt = set(corrupt or [])
+        self._vocab = weight.shape[0]
+        return self
+
+    def forward(
+        self,
+        noise_embeds,
+        context_hidden_states=None,
+        position_ids=None,
+        attention_mask=None,
+        past_key_values=None,
+        cache=None,
+        **kwargs,
+    ):
+        out = super().forward(
+            noise_embeds,
+            context_hidden_states,
+            position_ids,
+            attention_mask,
+            past_key_values=past_key_values,
+            cache=cache,
+            **kwargs,
+        )
+        block = noise_embeds.shape[1]
+        embed_table = self._embed_table
+        anchor_ids = (noise_embeds[:, 0, None, :] - embed_table[None]).abs().sum(-1).argmin(-1)
+        hidden = torch.zeros_like(out.last_hidden_state, dtype=torch.float64)
+        for b in range(noise_embeds.shape[0]):
+            anchor_pos = int(position_ids[b, -block])
+            row = self._by_anchor.get((anchor_pos, int(anchor_ids[b])))
+            for slot in range(1, block):
+                pos = anchor_pos + slot
+                token = (int(anchor_ids[b]) + 7) % self._vocab
+                if row is not None and pos < len(self._references[row]):
+                    token = self._references[row][pos]
+                if (pos, slot) in self._corrupt:
+                    token = (token + 1) % self._vocab
+                target_logits = torch.full((self._vocab,), -10.0, dtype=torch.float64)
+                target_logits[token] = 10.0
+                hidden[b, slot] = self._inverse @ target_logits
+        out.last_hidden_state = hidden.to(out.last_hidden_state.dtype)
+        return out
+
+
+def make_oracle(target, references, corrupt=None, block_size: int = 4) -> OracleDrafter:
+    torch.manual_seed(1)
+    config = DFlashConfig.from_target(target.config, num_hidden_layers=1, block_size=block_size, num_target_features=2)
+    oracle = OracleDrafter(config).eval().setup(target, references, corrupt)
+    embeds = target.get_input_embeddings()
+    oracle._embed_table = embeds(torch.arange(VOCAB)).detach()
+    return oracle
+
+
+def greedy_reference(target, input_ids, attention_mask=None, max_new_tokens: int = 24) -> torch.Tensor:
+    return target.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False)
+
+
+def strip(row: torch.Tensor, pad: int = 0) -> list[int]:
+    """Tokens of a row without left/right padding (pad id 0 is never generated by the tiny targets' prompts)."""
+    tokens = row.tolist()
+    while tokens and tokens[0] == pad:
+        tokens.pop(0)
+    while tokens and tokens[-1] == pad:
+        tokens.pop()
+    return tokens
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Torch on one thread inside the block (tiny models run ~10x faster than on 2 contended threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------------ tokenizers, prompts, training configs
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+CHARS = list(string.ascii_lowercase + string.digits + " .,!?:;'()-_+=*/<>#@\"")
+CHAR_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '#' + m['content'] }}{% endfor %}{% if add_generation_prompt %}{{ '>' }}{% endif %}"
+)
+PROMPTS = [
+    "hello world",
+    "write a poem about cats",
+    "what is two plus two?",
+    "explain gravity briefly",
+    "list three colors",
+    "how do birds fly",
+]
+
+
+def make_tokenizer(vocab_size: int = 64, chat_template: bool = True) -> PreTrainedTokenizerFast:
+    """A character-level fast tokenizer over `vocab_size` ids (0 pad, 1 bos, 2 eos, 3 unk), built offline."""
+    symbols = (SPECIALS + CHARS)[:vocab_size]
+    vocab = {tok: i for i, tok in enumerate(symbols)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    if chat_template:
+        fast.chat_template = CHAR_CHAT_TEMPLATE
+    return fast
+
+
+def write_prompts(path: Path, prompts=PROMPTS, extra: list[dict] | None = None) -> Path:
+    rows = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(prompts)] + list(extra or [])
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def tiny_train_config(output_dir, **overrides):
+    """`DFlashTrainingConfig` of a tiny CPU run (B=4, 2 draft layers, 2 taps, 8 anchors), with `overrides`."""
+    from dflash_hf.trainers import DFlashTrainingConfig
+
+    base = dict(
+        output_dir=str(output_dir),
+        block_size=4,
+        num_anchors=8,
+        num_draft_layers=2,
+        num_target_features=2,
+        per_device_train_batch_size=3,
+        learning_rate=1e-3,
+        use_cpu=True,
+        report_to="none",
+        disable_tqdm=True,
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+    )
+    base.update(overrides)
+    return DFlashTrainingConfig(**base)
+
+
+def fixed_batch(trainer, data, seed=0):
+    """The whole dataset collated into one batch, with anchors drawn under `seed`: `(batch, (anchors, valid))`."""
+    from dflash_hf.trainers import DFlashDataCollator, sample_anchors
+
+    batch = DFlashDataCollator(pad_token_id=0)([data[i] for i in range(len(data))])
+    torch.manual_seed(seed)
+    anchors = sample_anchors(batch["loss_mask"], batch["attention_mask"].sum(1), trainer.block_size, 8)
+    return batch, anchors
+
+
+# ------------------------------------------------------------------------------------- saved target folders
+
+WORDS = "the a cat dog sat on mat ran far and then it was red blue big small happy code def return print".split()
+WORD_CHAT_TEMPLATE = (
+    "{% for message in messages %}<s> {{ message['role'] }} {{ message['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<s> assistant {% endif %}"
+)
+
+
+def make_word_tokenizer(chat_template: str | None = WORD_CHAT_TEMPLATE, pad: bool = True) -> PreTrainedTokenizerFast:
+    """Offline word-level tokenizer over `WORDS` (ids 0-3 are `<pad> <s> </s> <unk>`)."""
+    vocab = {token: i for i, token in enumerate(SPECIALS + WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>" if pad else None,
+    )
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def make_llama(seed: int = 0) -> LlamaForCausalLM:
+    """Tiny random LLaMA (6 layers) over the word-level vocabulary."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(SPECIALS) + len(WORDS),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def save_tiny_target(folder: Path, chat_template: str | None = WORD_CHAT_TEMPLATE, seed: int = 0) -> Path:
+    """A tiny LLaMA and its word-level tokenizer saved to `folder`, as a target folder the commands load."""
+    make_llama(seed).save_pretrained(folder)
+    make_word_tokenizer(chat_template).save_pretrained(folder)
+    return folder
+
+
+# ---------------------------------------------------------------------------- sampling's distribution check
+
+SAMPLING_VOCAB = 8
+TEMPERATURE, TOP_K = 1.3, 6
+SAMPLES = 6000
+
+
+def tiny_sampling_models():
+    """`(target, drafter)`: a tiny LLaMA over `SAMPLING_VOCAB` ids with no end token, and a 1-layer drafter for it."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=SAMPLING_VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=5,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        initializer_range=0.5,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    target = LlamaForCausalLM(config).eval()
+    target.generation_config.eos_token_id = None
+    target.generation_config.pad_token_id = 0
+    torch.manual_seed(1)
+    drafter = DFlashDraftModel(
+        DFlashConfig.from_target(config, num_hidden_layers=1, block_size=4, num_target_features=2)
+    ).eval()
+    return target, drafter
+
+
+def _processed_probs(target, sequences: torch.Tensor) -> torch.Tensor:
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(TEMPERATURE), TopKLogitsWarper(TOP_K)])
+    with torch.no_grad():
+        logits = target(sequences).logits[:, -1].float()
+    return torch.softmax(warpers(sequences, logits), dim=-1)
+
+
+def exact_joint_of_tokens_2_and_3(target, prompt: torch.Tensor) -> torch.Tensor:
+    """P(t2, t3) of plain sampling, summing out t1 (exact enumeration over the vocabulary)."""
+    p1 = _processed_probs(target, prompt)[0]
+    firsts = torch.cat([prompt.expand(SAMPLING_VOCAB, -1), torch.arange(SAMPLING_VOCAB)[:, None]], dim=1)
+    p2 = _processed_probs(target, firsts)  # (t1, t2)
+    pairs = torch.tensor(list(itertools.product(range(SAMPLING_VOCAB), repeat=2)))
+    seconds = torch.cat([prompt.expand(len(pairs), -1), pairs], dim=1)
+    p3 = _processed_probs(target, seconds).view(SAMPLING_VOCAB, SAMPLING_VOCAB, SAMPLING_VOCAB)  # (t1, t2, t3)
+    return (p1[:, None, None] * p2[:, :, None] * p3).sum(0)
+
+
+def chi_square(target, drafter, prompt, expected: torch.Tensor, proposal: str = "argmax") -> tuple[float, int]:
+    """`(statistic, cells)`: chi-square of tokens 2 and 3 of `SAMPLES` speculative samples against `expected`."""
+    torch.manual_seed(1234)
+    out = dflash_hf.generate(
+        target,
+        drafter,
+        prompt.expand(SAMPLES, -1).contiguous(),
+        max_new_tokens=3,
+        do_sample=True,
+        temperature=TEMPERATURE,
+        top_k=TOP_K,
+        top_p=1.0,
+        sampling_proposal=proposal,
+    )
+    t2, t3 = out[:, -2], out[:, -1]
+    counts = torch.bincount(t2 * SAMPLING_VOCAB + t3, minlength=SAMPLING_VOCAB * SAMPLING_VOCAB).double()
+    expected_counts = expected.reshape(-1).double() * SAMPLES
+    keep = expected_counts > 5  # standard chi-square validity; the rare cells are pooled
+    pooled = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    pooled_expected = torch.cat([expected_counts[keep], expected_counts[~keep].sum()[None]])
+    return float(((pooled - pooled_expected) ** 2 / pooled_expected.clamp_min(1e-9)).sum()), int(keep.sum())
+
+
+def chi_square_bound(cells: int) -> float:
+    """Five standard deviations above the chi-square statistic's mean for `cells` kept cells."""
+    dof = cells  # pooled cell included, minus one constraint
+    return dof + 5 * (2 * dof) ** 0.5
+
+
+# ---------------------------------------------------------------------------------- `generate`'s summary line
+
+NUMBER = r"\d+\.\d\d"
+SUMMARY = rf"^tokens: (\d+) \| tau: {NUMBER} \| {NUMBER} tokens/s$"
+COMPARE = (
+    rf"^tokens: (\d+) \| tau: {NUMBER} \| {NUMBER} tokens/s \| plain (greedy|sampling) \((float32|bfloat16)\): {NUMBER} tokens/s "
+    rf"\| speedup: {NUMBER}x \| identical: (yes|no|n/a \(sampling\))$"
+)
