@@ -77,13 +77,29 @@ def tree_layout(
             valid[i, : len(tokens)] = True
     ids = torch.cat([anchors[:, None], drafts, lookup_ids], dim=1)
     depth = torch.cat([torch.arange(k + 1, device=device), torch.arange(1, m + 1, device=device)])
-    width = 1 + k + m
-    branch = torch.cat([torch.zeros(k + 1, dtype=torch.long), torch.ones(m, dtype=torch.long)]).to(device)
-    branch[0] = -1  # the root belongs to both branches
-    same_branch = (branch[:, None] == branch[None, :]) | (branch[None, :] == -1)
-    sees = same_branch & (depth[None, :] <= depth[:, None])  # ancestor-or-self: same branch, not deeper
+    sees = ancestor_mask(_two_branch_parents(k, m, device)[None])
     positions = start[:, None] + depth[None, :]
-    return ids, positions, sees[None].expand(batch, width, width), valid
+    return ids, positions, sees.expand(batch, -1, -1), valid
+
+
+def _two_branch_parents(k: int, m: int, device) -> torch.LongTensor:
+    """Parent of every node of `[anchor, k drafts, m lookup tokens]`: both branches hang from the root."""
+    lookup = [0] + list(range(k + 1, k + m)) if m else []
+    return torch.tensor([0, *range(k), *lookup], dtype=torch.long, device=device)
+
+
+def ancestor_mask(parents: torch.LongTensor) -> torch.Tensor:
+    """Node-to-node visibility `(batch, W, W)` of trees given by parent pointers `(batch, W)` (the root, node 0, is
+    its own parent): node `i` sees node `j` when `j` is `i` or one of its ancestors."""
+    batch, width = parents.shape
+    sees = torch.eye(width, dtype=torch.bool, device=parents.device).repeat(batch, 1, 1)
+    node = torch.arange(width, device=parents.device).repeat(batch, 1)
+    for _ in range(width - 1):  # a path is at most W - 1 steps long
+        if not bool(node.any()):
+            break
+        node = parents.gather(1, node)
+        sees.scatter_(2, node[:, :, None], True)
+    return sees
 
 
 def tree_attention_mask(
@@ -129,16 +145,56 @@ def tree_accept(
     """Greedy acceptance on both branches of the tree `ids` (`[anchor, k drafts, lookup tokens]`).
 
     `target_tokens[:, j]` is the target's argmax at node `j` (its prediction of node j's child)."""
-    m = ids.shape[1] - 1 - k
-    dflash = (ids[:, 1 : k + 1] == target_tokens[:, :k]).int().cumprod(dim=1).sum(dim=1)
-    parents = torch.cat([torch.zeros(1, dtype=torch.long), torch.arange(k + 1, k + m)]).to(ids.device)
-    lookup_hit = (ids[:, k + 1 :] == target_tokens[:, parents]) & lookup_valid
-    lookup = lookup_hit.int().cumprod(dim=1).sum(dim=1)
-    lookup_won = lookup > dflash
-    accepted = torch.where(lookup_won, lookup, dflash)
-    last = torch.where(lookup_won & (lookup > 0), k + lookup, dflash)
-    next_token = target_tokens.gather(1, last[:, None]).squeeze(1)
-    return TreeAcceptance(accepted, next_token, lookup_won, dflash)
+    batch, width = ids.shape
+    parents = _two_branch_parents(k, width - 1 - k, ids.device)
+    depths = torch.cat([torch.arange(k + 1, device=ids.device), torch.arange(1, width - k, device=ids.device)])
+    valid = torch.cat([lookup_valid.new_ones(batch, k + 1), lookup_valid], dim=1)
+    result = accept_tree(ids, parents.expand(batch, -1), depths.expand(batch, -1), valid, target_tokens)
+    block_accepted = result.node_accepted[:, 1 : k + 1].sum(dim=1)
+    return TreeAcceptance(result.accepted, result.next_token, result.best > k, block_accepted)
+
+
+class PathAcceptance(NamedTuple):
+    """What greedy verification of a tree accepted, per row."""
+
+    accepted: torch.Tensor  # tokens accepted on the longest accepted path
+    best: torch.Tensor  # the node that path ends at (the root when nothing was accepted)
+    next_token: torch.Tensor  # the target's token after it
+    node_accepted: torch.Tensor  # `(batch, W)`: whether each node is on an accepted path
+
+
+def accept_tree(
+    ids: torch.LongTensor,
+    parents: torch.LongTensor,
+    depths: torch.LongTensor,
+    valid: torch.Tensor,
+    target_tokens: torch.LongTensor,
+) -> PathAcceptance:
+    """Greedy acceptance on trees given by parent pointers: a node is accepted when it is `valid`, its parent was
+    accepted and its token is the target's argmax at its parent; the deepest accepted node wins (the first one in
+    node order among equals). All arguments are `(batch, W)`; node 0 is the root (its own parent)."""
+    match = valid & (ids == target_tokens.gather(1, parents))
+    match[:, 0] = True
+    accepted = match
+    for _ in range(int(depths.max()) - 1):  # depth-1 nodes are right already; each pass settles one level more
+        accepted = match & accepted.gather(1, parents)
+    best = torch.where(accepted, depths, -1).argmax(dim=1)
+    length = depths.gather(1, best[:, None]).squeeze(1)
+    next_token = target_tokens.gather(1, best[:, None]).squeeze(1)
+    return PathAcceptance(length, best, next_token, accepted)
+
+
+def tree_path(parents: torch.LongTensor, best: torch.Tensor, accepted: torch.Tensor, width: int) -> torch.LongTensor:
+    """Node indices of each row's path from the root to `best` (`accepted` steps long), padded to `width` by
+    repeating `best` (the padding is masked out like any short row)."""
+    order = best[:, None].repeat(1, width)
+    node = best
+    for step in range(int(accepted.max()) + 1):
+        depth = (accepted - step).clamp_min(0)[:, None]
+        on_path = (accepted >= step)[:, None]
+        order.scatter_(1, depth, torch.where(on_path, node[:, None], order.gather(1, depth)))
+        node = parents.gather(1, node[:, None]).squeeze(1)
+    return order
 
 
 def path_order(accepted: torch.Tensor, lookup_won: torch.Tensor, k: int, width: int) -> torch.LongTensor:
