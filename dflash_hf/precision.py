@@ -19,6 +19,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from . import runtime
+from .costs import cycle_ms
 from .engine import row_exact
 from .fileio import atomic_write_text
 from .modeling import DFlashDraftModel
@@ -43,12 +44,9 @@ def _load(target: str, drafter_dir: Path, device: torch.device, dtype: torch.dty
 
 
 def _cycle_ms(model: PreTrainedModel, drafter: DFlashDraftModel, max_block: int, verify_tokens: int) -> float:
-    """Verify of `verify_tokens` tokens + a draft of a `max_block` block, in ms, as the engine runs them."""
-    from .bench.profile import measure_costs
-
-    counts = tuple(sorted({max_block, verify_tokens}))
-    costs = measure_costs(model, drafter, token_counts=counts, context_tokens=128, repeats=3, comparisons=False)
-    return costs["target_ms"][str(verify_tokens)] + costs["drafter_ms"].get(str(max_block), 0.0)
+    """Verify of `verify_tokens` tokens + a draft of a `max_block` block, in ms, as the engine runs them: the cycle a
+    verdict compares (on a 128-token context, 3 timed rounds)."""
+    return cycle_ms(model, drafter, max_block, verify_tokens, context_tokens=128, repeats=3)
 
 
 def measured_choice(

@@ -18,7 +18,7 @@ from testing_utils import (
     save_tiny_target,
 )
 
-from dflash_hf import DFlashConfig, DFlashDraftModel, cli, generate, mkl_choice, runtime, targets
+from dflash_hf import DFlashConfig, DFlashDraftModel, cli, costs, generate, mkl_choice, runtime, targets
 from dflash_hf import precision as precision_module
 from dflash_hf.bench import profile as profile_module
 from dflash_hf.bench.profile import measure_costs
@@ -378,6 +378,27 @@ def test_auto_measures_the_cycle_each_command_runs(monkeypatch, folders, tmp_pat
         with pytest.raises(RuntimeError, match="stop after"):
             cli.main([command, *prompt, "--target", str(target_dir), "--drafter", str(drafter_dir), *flags])
         assert widths.pop() == expected, argv
+
+
+def test_the_verdict_times_a_verify_of_the_widest_tree_and_a_draft_of_the_block(monkeypatch):
+    """`auto`'s cycle (`dflash_hf.costs.cycle_ms`): the verify of `verify_tokens` tokens and the drafter's block, each
+    forward run as the engine runs it (stand-in times: a call's count, plus 100 for a draft)."""
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=4)
+    rounds = []
+
+    def medians(calls, repeats, device):
+        for call in calls.values():
+            call()
+        rounds.append(sorted(calls))
+        times: dict[str, dict[int, float]] = {}
+        for kind, count in calls:
+            times.setdefault(kind, {})[count] = count + (100.0 if kind == "drafter" else 0.0)
+        return times
+
+    monkeypatch.setattr(costs, "interleaved_medians", medians)
+    assert precision_module._cycle_ms(target, drafter, 4, 11) == 11 + 104
+    assert rounds == [[("target", 4), ("target", 11)], [("drafter", 4)]]
 
 
 def test_cost_profile_measures_every_count_and_block():

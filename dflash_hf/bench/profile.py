@@ -3,9 +3,9 @@ machine, in the precision the models are loaded in.
 
 This is what decides whether speculation can pay: a cycle costs one drafter forward plus a B-token verify, a plain
 step costs a 1-token forward, so the speedup is at most tau x step / (verify(B) + draft(B)). Each forward is timed
-the way the engine runs it (the target through [`TargetAdapter`] with LM-head logits for every new token, inside
-row-exact verification where the engine would use it; the drafter with its context features and draft-vocabulary
-logits), on a cache of `context_tokens` positions that is rolled back after every timed call.
+the way the engine runs it (`dflash_hf.costs`: the target through [`TargetAdapter`] with LM-head logits for every new
+token, inside row-exact verification where the engine would use it; the drafter with its context features and
+draft-vocabulary logits), on a cache of `context_tokens` positions that is rolled back after every timed call.
 
 Next to them it times the matrix products alone on k rows (every linear layer, then the LM head the engine's way), of
 the target and of the drafter: what any forward must compute with this machine's kernels. Their growth from 1 to k rows
@@ -15,73 +15,20 @@ how cheap a draft can get.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import statistics
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.cache_utils import DynamicCache
 
-from ..engine import row_exact
+from ..costs import Call, TimedForwards
 from ..engine.adapters import TargetAdapter
-from ..engine.cache_ops import truncate_cache
-from ..engine.grouped_attention import grouped_attention, stock_attention, uses_grouped_attention
+from ..engine.grouped_attention import uses_grouped_attention
 from ..modeling import DFlashDraftModel
-from ..runtime import Stopwatch
 
 DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 16)
-
-
-Call = Callable[[], None]
-
-
-def _interleaved_medians(
-    calls: dict[tuple[str, int], Call], repeats: int, device: torch.device
-) -> dict[str, dict[int, float]]:
-    """Median wall time in ms of each call, keyed `(kind, count)`, over `repeats` rounds that run every call once, in
-    turn, after one untimed round: a shared machine's drift between rounds then touches every call alike, so their
-    ratios hold. Returns `{kind: {count: ms}}`. (The target's calls and the drafter's get separate rounds: mixed into
-    the target's rounds, the first drafter call of each round cost several times a decode loop's draft on an AVX2
-    EPYC.)"""
-    times: dict[tuple[str, int], list[float]] = {key: [] for key in calls}
-    for round_index in range(repeats + 1):
-        for key, call in calls.items():
-            with Stopwatch(device) as watch:
-                call()
-            if round_index:
-                times[key].append(1000.0 * watch.total)
-    medians: dict[str, dict[int, float]] = {}
-    for (kind, count), values in times.items():
-        medians.setdefault(kind, {})[count] = statistics.median(values)
-    return medians
-
-
-def _target_calls(
-    adapter: TargetAdapter,
-    cache: DynamicCache,
-    context_tokens: int,
-    token_counts: tuple[int, ...],
-    exact: bool,
-    generator: torch.Generator,
-    stock: bool = False,
-) -> dict[int, Call]:
-    """A target forward of each token count (with logits for every new token) on the cached context, rolled back;
-    `stock`: in Transformers' own `sdpa` attention (`engine.grouped_attention.stock_attention`)."""
-    device = adapter.target.device
-
-    def target_forward(count: int) -> None:
-        ids = torch.randint(0, adapter.vocab_size, (1, count), generator=generator).to(device)
-        positions = torch.arange(context_tokens, context_tokens + count, device=device)[None]
-        with row_exact.verification(exact), stock_attention() if stock else contextlib.nullcontext():
-            step = adapter.forward(ids, None, positions, cache)
-            adapter.logits(step.last_hidden_state)
-        truncate_cache(cache, context_tokens)
-
-    return {count: functools.partial(target_forward, count) for count in token_counts}
 
 
 def decoder_linears(model: PreTrainedModel) -> list[nn.Linear]:
@@ -114,43 +61,6 @@ def _matmul_calls(
     return {rows: functools.partial(products, random_inputs(rows)) for rows in row_counts}
 
 
-def _drafter_calls(
-    adapter: TargetAdapter,
-    drafter: DFlashDraftModel,
-    context: torch.LongTensor,
-    tapped: torch.Tensor,
-    block_sizes: list[int],
-) -> dict[int, Call]:
-    """A drafter forward (with draft-vocabulary logits) for each block size: the drafter first ingests the whole
-    context here, then each call adds 2 committed tokens' features and rolls back (a typical cycle)."""
-    device = context.device
-    context_tokens = context.shape[1]
-    draft_cache = DynamicCache()
-    draft_ids = getattr(drafter, "draft_token_ids", None)
-    draft_ids = None if draft_ids is None else draft_ids.to(device)
-
-    def drafter_forward(block: int, context_hidden_states: torch.Tensor, start: int) -> None:
-        ids = torch.full((1, block), int(drafter.config.mask_token_id), device=device)
-        ids[0, 0] = int(context[0, -1])
-        known = context_hidden_states.shape[1]
-        out = drafter(
-            noise_embeds=adapter.embed(ids),
-            context_hidden_states=context_hidden_states,
-            position_ids=torch.arange(start, start + known + block, device=device)[None],
-            past_key_values=draft_cache,
-        )
-        truncate_cache(draft_cache, start + known)
-        adapter.logits(out.last_hidden_state[:, 1:], draft_ids)
-
-    drafter_forward(2, tapped[:, :-2], 0)
-
-    def cycle(block: int) -> None:
-        drafter_forward(block, tapped[:, -2:], context_tokens - 2)
-        truncate_cache(draft_cache, context_tokens - 2)
-
-    return {block: functools.partial(cycle, block) for block in block_sizes}
-
-
 @torch.no_grad()
 def measure_costs(
     target: PreTrainedModel,
@@ -180,40 +90,33 @@ def measure_costs(
     """
     if context_tokens < 1 or repeats < 1 or not token_counts or min(token_counts) < 1:
         raise ValueError("context_tokens, repeats and every token count must be >= 1, with at least one count.")
-    device = target.device
     adapter = TargetAdapter.for_drafter(target, drafter)
-    reduced_cpu = device.type == "cpu" and target.dtype != torch.float32
-    exact = row_exact_verify and reduced_cpu and row_exact.install(target, max(token_counts))
     generator = torch.Generator().manual_seed(seed)
-    context = torch.randint(0, adapter.vocab_size, (1, context_tokens), generator=generator).to(device)
-    cache = DynamicCache()
-    prefill = adapter.forward(context, None, torch.arange(context_tokens, device=device)[None], cache)
-    block_sizes = [b for b in token_counts if 2 <= b <= int(drafter.config.block_size)]
+    forwards = TimedForwards(adapter, drafter, context_tokens, max(token_counts), generator, row_exact_verify)
+    block_sizes = forwards.block_sizes(token_counts)
     products = comparisons and 1 in token_counts  # the matmul floor needs a 1-token step
-    kinds = {"target": _target_calls(adapter, cache, context_tokens, token_counts, exact, generator)}
+    kinds = {"target": forwards.target_calls(token_counts)}
     if comparisons and uses_grouped_attention(target):
-        multi_token = tuple(k for k in token_counts if k > 1)
-        kinds["stock"] = _target_calls(adapter, cache, context_tokens, multi_token, exact, generator, stock=True)
+        kinds["stock"] = forwards.target_calls(tuple(k for k in token_counts if k > 1), stock=True)
     if products:
         kinds["matmul"] = _matmul_calls(target, adapter.logits, adapter.hidden_size, list(token_counts), generator)
-    draft_calls = {"drafter": _drafter_calls(adapter, drafter, context, prefill.context_hidden_states, block_sizes)}
+    draft_calls = {"drafter": forwards.drafter_calls(block_sizes)}
     if products:
         draft_ids = getattr(drafter, "draft_token_ids", None)
-        draft_logits = functools.partial(adapter.logits, token_ids=None if draft_ids is None else draft_ids.to(device))
+        draft_ids = None if draft_ids is None else draft_ids.to(target.device)
+        draft_logits = functools.partial(adapter.logits, token_ids=draft_ids)
         draft_calls["drafter_matmul"] = _matmul_calls(
             drafter, draft_logits, adapter.hidden_size, block_sizes, generator
         )
+    # the target's forwards and products in the same rounds, so the floor pairs with them
     rounds = [{(kind, k): call for kind, calls in kinds.items() for k, call in calls.items()}]
     rounds += [{(kind, b): call for b, call in calls.items()} for kind, calls in draft_calls.items()]
-    measured: dict[str, dict[int, float]] = {}
-    with grouped_attention(target):  # the attention the engine runs its multi-token forwards in
-        for calls in rounds:  # the target's forwards and products in the same rounds, so the floor pairs with them
-            measured |= _interleaved_medians(calls, repeats, device)
+    measured = forwards.medians(rounds, repeats)
     document = {
         "dtype": str(target.dtype).replace("torch.", ""),
         "context_tokens": context_tokens,
         "repeats": repeats,
-        "row_exact": bool(exact),
+        "row_exact": forwards.row_exact,
     }
     return document | _relative_costs(measured)
 
