@@ -133,3 +133,35 @@ def test_padded_batches_draft_in_grouped_attention_too(sdpa_calls):
     output = generate(target, drafter, prompts, attention_mask=mask, max_new_tokens=16, min_new_tokens=16)
     assert torch.equal(output, expected)
     assert seen and set(seen) == {ATTENTION_NAME} and drafter.config._attn_implementation == "sdpa"
+
+
+def test_an_sdpa_variant_runs_under_its_name_with_a_flag_scoped_to_its_block_and_thread():
+    """`engine.attention_registry.SdpaVariant`, which grouped and row-exact attention are registered with."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from dflash_hf.engine.attention_registry import SdpaVariant
+
+    seen: list[bool] = []
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        seen.append(variant.is_flagged())
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    variant = SdpaVariant("test_variant_sdpa", attention)
+    target = make_target("qwen3")
+    ids = torch.tensor([[1, 5, 9, 12]])
+    expected = target(ids).logits
+    target.set_attn_implementation(variant.name)
+    layers = target.config.num_hidden_layers
+    elsewhere: list[bool] = []
+    with variant.flagged():
+        assert torch.equal(target(ids).logits, expected)
+        with variant.flagged(False):
+            assert not variant.is_flagged()
+        thread = threading.Thread(target=lambda: elsewhere.append(variant.is_flagged()))
+        thread.start()
+        thread.join()
+    target(ids)
+    assert seen == [True] * layers + [False] * layers and elsewhere == [False]
+    with pytest.raises(ValueError, match="'flash' in it"):
+        SdpaVariant("flash_test_sdpa", attention)

@@ -4,7 +4,7 @@ Transformers' `sdpa` attention lets `scaled_dot_product_attention` read grouped 
 (`enable_gqa`) only when no mask is given; with a mask, as in every verify over a cache (and every tree verify), it
 first copies the cached keys and values once per query head that shares them (`repeat_kv`). On CPU the kernel reads
 grouped heads with a mask just as well and gives the same bits, so the copies are pure cost, and they grow with the
-context (README, "Precision and the cost of a cycle on CPU", measures them). [`ATTENTION_NAME`] is `sdpa` with that
+context (`dflash-hf profile` times a verify both ways). [`ATTENTION_NAME`] is `sdpa` with that
 one difference, and [`grouped_attention`] switches a model to it for the duration of a block: the engine's generation
 calls (the target, and the drafter, whose padded batches attend with a mask too), the bench's plain-decoding baseline
 with the engine's kernels, the cost profile. Inside it, [`stock_attention`] runs Transformers' `sdpa` again (the cost
@@ -14,21 +14,20 @@ profile times both).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import threading
 import weakref
 from collections.abc import Iterator
 
 import torch
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-ATTENTION_NAME = "grouped_sdpa"  # no "flash" in it: Transformers would take it for a flash kernel
+from .attention_registry import SdpaVariant
+
+ATTENTION_NAME = "grouped_sdpa"
 
 _USERS: "weakref.WeakKeyDictionary[PreTrainedModel, int]" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
-_STOCK = contextvars.ContextVar("stock_sdpa", default=False)
 
 
 def _grouped_sdpa(
@@ -43,7 +42,7 @@ def _grouped_sdpa(
 ) -> tuple[torch.Tensor, None]:
     """`sdpa`, except that a masked multi-row query on CPU attends to the grouped key/value heads directly."""
     grouped = (
-        not _STOCK.get()
+        not _GROUPED.is_flagged()  # flagged: stock attention
         and query.device.type == "cpu"
         and attention_mask is not None
         and query.shape[2] > 1
@@ -61,8 +60,7 @@ def _grouped_sdpa(
     return output.transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(ATTENTION_NAME, _grouped_sdpa)
-AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+_GROUPED = SdpaVariant(ATTENTION_NAME, _grouped_sdpa)
 
 
 def uses_grouped_attention(target: PreTrainedModel) -> bool:
@@ -101,11 +99,6 @@ def grouped_attention(target: PreTrainedModel) -> Iterator[None]:
                         target.set_attn_implementation("sdpa")
 
 
-@contextlib.contextmanager
-def stock_attention() -> Iterator[None]:
+def stock_attention() -> contextlib.AbstractContextManager[None]:
     """Within this block (in this thread or task) [`ATTENTION_NAME`] runs Transformers' `sdpa` unchanged."""
-    token = _STOCK.set(True)
-    try:
-        yield
-    finally:
-        _STOCK.reset(token)
+    return _GROUPED.flagged()

@@ -25,27 +25,24 @@ The cure here is in two parts:
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import inspect
 import threading
 import weakref
-from collections.abc import Iterator
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .attention_registry import SdpaVariant
 from .tree import sliding_window_of
 
-ATTENTION_NAME = "row_exact_sdpa"  # no "flash" in it: Transformers would take it for a flash kernel
+ATTENTION_NAME = "row_exact_sdpa"
 
 # target -> (largest block probed, whether its verify forwards were bit-exact)
 _INSTALLED: "weakref.WeakKeyDictionary[PreTrainedModel, tuple[int, bool]]" = weakref.WeakKeyDictionary()
 _INSTALL_LOCK = threading.RLock()
-_ROW_BY_ROW = contextvars.ContextVar("row_by_row_attention", default=False)
 
 
 def _row_exact_sdpa(
@@ -58,7 +55,7 @@ def _row_exact_sdpa(
 ) -> tuple[torch.Tensor, None]:
     """`sdpa`, or inside [`verification`] one `sdpa` call per query row with that row's decode-step keys and mask."""
     rows = query.shape[2]
-    if rows == 1 or not _ROW_BY_ROW.get():
+    if rows == 1 or not _ROW_EXACT.is_flagged():  # flagged: inside a verification
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     kwargs.pop("is_causal", None)  # a single query row never uses the causal flag
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
@@ -110,8 +107,7 @@ def _as_step_mask(mask: torch.Tensor | None, query: torch.Tensor, keys: int, win
     return mask
 
 
-AttentionInterface.register(ATTENTION_NAME, _row_exact_sdpa)
-AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+_ROW_EXACT = SdpaVariant(ATTENTION_NAME, _row_exact_sdpa)
 
 
 def _rows_match(linear: torch.nn.Linear, max_rows: int, generator: torch.Generator) -> bool:
@@ -135,9 +131,9 @@ def _rows_match(linear: torch.nn.Linear, max_rows: int, generator: torch.Generat
 def _one_row_at_a_time(module: torch.nn.Linear, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
     """Forward hook: inside [`verification`], recompute a multi-row output row by row (the decode-step kernel)."""
     # A hook, not a replaced `forward`: it leaves the user's module (and accelerate's own hooks) as they are, at the
-    # price of the discarded multi-row result (about 3% of a bf16 verify of SmolLM2).
+    # price of the discarded multi-row result (part of a row-exact verify's cost in `dflash-hf profile`).
     (x,) = args
-    if not _ROW_BY_ROW.get() or x.shape[:-1].numel() == 1:
+    if not _ROW_EXACT.is_flagged() or x.shape[:-1].numel() == 1:
         return None
     flat = x.reshape(-1, x.shape[-1])
     rows = [nn.functional.linear(flat[i : i + 1], module.weight, module.bias) for i in range(flat.shape[0])]
@@ -192,14 +188,10 @@ def head_is_hooked(head: nn.Module) -> bool:
     return bool(getattr(head, "_row_exact_hooked", False))
 
 
-@contextlib.contextmanager
-def verification(enabled: bool = True) -> Iterator[None]:
-    """Within this block (and this thread / task), row-exact attention attends block rows one by one."""
-    token = _ROW_BY_ROW.set(enabled)
-    try:
-        yield
-    finally:
-        _ROW_BY_ROW.reset(token)
+def verification(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Within this block (and this thread / task), row-exact attention attends block rows one by one (`enabled`) and
+    hooked linears recompute multi-row calls row by row."""
+    return _ROW_EXACT.flagged(enabled)
 
 
 @torch.no_grad()
