@@ -53,8 +53,6 @@ from .fileio import discard, path_inside, read_json, set_ordinary_mode
 from .runtime import resolve_dtype
 from .special_tokens import first_token_id, token_ids
 
-# A little over ~400 lines on purpose: one job (named offline targets: build, verify and load their cache, resolve
-# drafters for them); split, the cache format would be spread over modules.
 CACHE_ENV = "DFLASH_HF_CACHE"
 MARKER_FILE = "dflash_hf_cache.json"
 CACHE_FORMAT = 1

@@ -6,7 +6,7 @@ rate and one schedule drive both. The Trainer's scheduler and checkpointing see 
 `param_groups` are the two inner optimizers' groups, and its state dict holds both.
 
 `torch.optim.Muon` orthogonalises in bfloat16. On a CPU without native bf16 (no AMX / AVX512-BF16) a bf16 matmul is
-emulated, about 8x slower than fp32 on an AVX2 EPYC, which made a SmolLM2 drafter step take over a minute; there the
+emulated, several times slower than fp32 (the trainer's warning about bf16 autocast there gives the figure); there the
 Newton-Schulz iteration runs in float32 instead (same iteration, same coefficients).
 """
 

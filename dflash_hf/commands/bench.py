@@ -195,8 +195,6 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the `bench` sub-command; returns the exit code (1 when an output differs from greedy)."""
-    # a straight sequence (check flags, load prompts and models, run, write, print); splitting it would only pass
-    # the parsed arguments around
     if args.readme_section is not None:
         print(bench.render_markdown(args.readme_section, plots_prefix=args.plots_prefix), end="")
         return 0
