@@ -188,13 +188,14 @@ def test_outputs_json_schema_plots_and_readme_section(result, tmp_path):
         "results",
         "cost_profile",
         "by_benchmark",
+        "llama_cpp",
     }
     assert {"cpu", "cpus_available", "torch_threads", "torch", "transformers", "python"} <= set(document["hardware"])
     assert document["settings"]["max_new_tokens"] == MAX_NEW and document["settings"]["decoding"] == "greedy"
     assert document["prompts"] == [
         {"index": i, "id": f"p{i}", "prompt_tokens": len(ids), "benchmark": None} for i, ids in enumerate(PROMPTS)
     ]
-    assert document["by_benchmark"] is None  # one prompt set
+    assert document["by_benchmark"] is None and document["llama_cpp"] is None  # one prompt set, no llama.cpp
     summary_keys = {
         "tau",
         "tokens_per_s",
@@ -518,6 +519,8 @@ def test_cli_mismatch_exit_status(folders, tmp_path, capsys, monkeypatch):
         (["--prompts", "nowhere"], "Unknown prompt set"),
         (["--min-prompt-tokens", "600", "--max-prompt-tokens", "512"], "--min-prompt-tokens 600 exceeds"),
         (["--temperatures", "0.7", "--sampling-block-size", "9"], "sampling block size must be in [2, 4]"),
+        (["--llama-cpp", "no-such-bin"], "--llama-cpp no-such-bin holds no llama-server"),
+        (["--llama-cpp", ".", "--llama-cpp-draft-tokens", "0"], "holds no llama-server"),
     ],
 )
 def test_cli_bad_input(folders, tmp_path, capsys, extra, message):

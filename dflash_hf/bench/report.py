@@ -114,6 +114,29 @@ def benchmark_table(result: BenchResult | dict[str, Any] | str | os.PathLike) ->
     return "\n".join(lines) + "\n"
 
 
+def llama_cpp_table(result: BenchResult | dict[str, Any] | str | os.PathLike) -> str | None:
+    """llama.cpp's rows (plain `llama-server` and with the DFlash drafter) as a Markdown table; `None` when the run
+    had none."""
+    part = as_document(result).get("llama_cpp")
+    if not part:
+        return None
+    settings = part["settings"]
+    lines = [
+        f"llama.cpp ({settings['binary_dir']}, target `{settings['target_gguf']}`, drafter as GGUF "
+        f"{settings['gguf_type']}, {settings['threads']} threads): tokens/s are llama.cpp's own decode timings.",
+        "",
+        "| llama.cpp | tokens/s | speedup vs llama.cpp plain | accepted per drafted token | identical to plain |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for row in part["rows"]:
+        identical = "-" if row["identical_to_plain"] is None else ("yes" if row["identical_to_plain"] else "**NO**")
+        lines.append(
+            f"| {row['label']} | {_fmt(row['tokens_per_s'])} | {_fmt(row['speedup_vs_plain'], suffix='x')} "
+            f"| {_fmt(row['acceptance'], 3, empty='-')} | {identical} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def render_markdown(
     result: BenchResult | dict[str, Any] | str | os.PathLike,
     plots_prefix: str | None = None,
@@ -155,6 +178,7 @@ def render_markdown(
         markdown_table(document).rstrip("\n"),
         "",
         *(["Tau per benchmark:", "", table.rstrip("\n"), ""] if (table := benchmark_table(document)) else []),
+        *([llama.rstrip("\n"), ""] if (llama := llama_cpp_table(document)) else []),
         "Speedup is tokens/s over plain greedy `target.generate` in the same process on the same prompts (sampled rows: "
         "over plain sampling `target.generate(do_sample=True)` at the same temperature); tau is tokens committed per "
         "target forward after the prefill; exact means every output equals plain greedy's, token for token (sampled "

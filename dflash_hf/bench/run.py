@@ -115,6 +115,7 @@ class BenchResult:
     command: str | None = None
     cost_profile: dict[str, Any] | None = None
     by_benchmark: dict[str, dict[str, dict[str, Any]]] | None = None
+    llama_cpp: dict[str, Any] | None = None
 
     def method(self, name: str) -> MethodResult:
         """The result of the method called `name`."""
@@ -143,6 +144,7 @@ class BenchResult:
             "results": {name: [dataclasses.asdict(r) for r in records] for name, records in self.results.items()},
             "cost_profile": self.cost_profile,
             "by_benchmark": self.by_benchmark,
+            "llama_cpp": self.llama_cpp,
         }
 
 

@@ -114,6 +114,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--no-progress", action="store_true", help="Hide the progress bars.")
     parser.add_argument(
+        "--llama-cpp",
+        type=Path,
+        default=None,
+        metavar="BIN_DIR",
+        help="Also run llama.cpp (its build/bin folder with llama-server): plain greedy and with the drafter exported "
+        "as GGUF (--spec-type draft-dflash), on the same prompts; rows in the report and bench.json.",
+    )
+    parser.add_argument(
+        "--llama-cpp-target",
+        default=None,
+        help="The target's GGUF for llama.cpp (default: the named target's packaged GGUF).",
+    )
+    parser.add_argument(
+        "--llama-cpp-draft-tokens",
+        type=int,
+        default=None,
+        help="llama.cpp's --spec-draft-n-max (default: the drafter's block size - 1).",
+    )
+    parser.add_argument(
+        "--llama-cpp-gguf-type",
+        default="f32",
+        help="Weight type of the drafter's GGUF for llama.cpp: f32 (default), f16, bf16 or q8_0.",
+    )
+    parser.add_argument(
         "--readme-section",
         type=Path,
         default=None,
@@ -152,6 +176,12 @@ def _command_line(args: argparse.Namespace, threads: int | None) -> str:
     ]  # fmt: skip
     if args.prompts_dir is not None:
         argv += ["--prompts-dir", str(args.prompts_dir)]
+    if args.llama_cpp is not None:
+        argv += ["--llama-cpp", str(args.llama_cpp), "--llama-cpp-gguf-type", args.llama_cpp_gguf_type]
+        if args.llama_cpp_target is not None:
+            argv += ["--llama-cpp-target", str(args.llama_cpp_target)]
+        if args.llama_cpp_draft_tokens is not None:
+            argv += ["--llama-cpp-draft-tokens", str(args.llama_cpp_draft_tokens)]
     if threads is not None:
         argv += ["--threads", str(threads), "--mkl-mode", str(args.mkl_mode)]
     if args.lookup_tokens:
@@ -191,6 +221,36 @@ def _check(args: argparse.Namespace) -> None:
         )
     if args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} exists and is not a folder: pass a folder path.")
+    if args.llama_cpp is not None and not (args.llama_cpp / "llama-server").is_file():
+        raise ValueError(f"--llama-cpp {args.llama_cpp} holds no llama-server: pass llama.cpp's build/bin folder.")
+    if args.llama_cpp_draft_tokens is not None and args.llama_cpp_draft_tokens < 1:
+        raise ValueError(f"--llama-cpp-draft-tokens must be >= 1, got {args.llama_cpp_draft_tokens}.")
+
+
+def _llama_cpp(args: argparse.Namespace, drafter, prompts, tokenizer, threads: int) -> dict:
+    """llama.cpp's plain and DFlash rows on the bench prompts (the drafter exported as GGUF into a temporary folder)."""
+    import tempfile
+
+    from ..bench.llama_cpp import rows_to_json, run_llama_cpp
+    from ..hub.gguf import target_gguf_file, write_gguf
+
+    target = args.llama_cpp_target or args.target
+    draft_tokens = args.llama_cpp_draft_tokens or int(drafter.config.block_size) - 1
+    with tempfile.TemporaryDirectory(prefix="dflash-hf-llama-cpp-") as scratch, target_gguf_file(target) as gguf:
+        drafter_gguf = write_gguf(
+            drafter, Path(scratch) / "drafter.gguf", target=target, gguf_type=args.llama_cpp_gguf_type
+        )
+        rows = run_llama_cpp(
+            args.llama_cpp, gguf, drafter_gguf, prompts, tokenizer, args.max_new_tokens, draft_tokens, threads
+        )
+    settings = {
+        "binary_dir": str(args.llama_cpp),
+        "target_gguf": Path(gguf).name,
+        "gguf_type": args.llama_cpp_gguf_type,
+        "draft_tokens": draft_tokens,
+        "threads": threads,
+    }
+    return rows_to_json(rows, settings)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -251,12 +311,14 @@ def run(args: argparse.Namespace) -> int:
         },
         progress=not args.no_progress,
     )
+    if args.llama_cpp is not None:
+        result.llama_cpp = _llama_cpp(args, drafter, prompts, tokenizer, threads or 1)
     result.command = _command_line(args, threads)
     paths = bench.write_outputs(result, args.out)
     print(bench.markdown_table(result), end="", flush=True)
-    per_benchmark = bench.benchmark_table(result)
-    if per_benchmark:
-        print("\n" + per_benchmark, end="", flush=True)
+    for table in (bench.benchmark_table(result), bench.llama_cpp_table(result)):
+        if table:
+            print("\n" + table, end="", flush=True)
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}", flush=True)
     if not result.exact:
         print(
