@@ -38,6 +38,17 @@ class FixedBlockSize:
         return None
 
 
+def cost_line(costs: dict[int, float]) -> tuple[float, float, float]:
+    """`(mean size, mean cost, slope)` of the least-squares line through measured costs per size (slope 0 with
+    fewer than two sizes)."""
+    sizes = sorted(costs)
+    mean_k = sum(sizes) / len(sizes)
+    mean_c = sum(costs[k] for k in sizes) / len(sizes)
+    spread = sum((k - mean_k) ** 2 for k in sizes)
+    slope = sum((k - mean_k) * (costs[k] - mean_c) for k in sizes) / spread if spread else 0.0
+    return mean_k, mean_c, slope
+
+
 class AdaptiveBlockSize:
     """Pick the block size that maximises expected committed tokens per second.
 
@@ -102,11 +113,7 @@ class AdaptiveBlockSize:
         """Measured mean cycle time at `block_size`, or the straight-line fit through the measured sizes."""
         if block_size in self._cost:
             return self._cost[block_size]
-        sizes = sorted(self._cost)
-        mean_k = sum(sizes) / len(sizes)
-        mean_c = sum(self._cost[k] for k in sizes) / len(sizes)
-        spread = sum((k - mean_k) ** 2 for k in sizes)
-        slope = sum((k - mean_k) * (self._cost[k] - mean_c) for k in sizes) / spread if spread else 0.0
+        mean_k, mean_c, slope = cost_line(self._cost)
         return max(mean_c + max(slope, 0.0) * (block_size - mean_k), 1e-9)
 
     def next_block_size(self) -> int:

@@ -153,7 +153,8 @@ def check_options(candidates: str, sampling_proposal: str, lookup_tokens: int | 
     if candidates not in CANDIDATE_SOURCES:
         raise ValueError(
             f"candidates must be one of {CANDIDATE_SOURCES}, got {candidates!r}: 'dflash' verifies the DFlash "
-            "block, 'dflash+lookup' also a prompt-lookup continuation in the same target forward."
+            "block, 'dflash+lookup' also a prompt-lookup continuation in the same target forward, 'tree' a draft "
+            "tree over the drafter's top tokens per slot with the lookup continuation as one more branch."
         )
     if sampling_proposal not in SAMPLING_PROPOSALS:
         raise ValueError(

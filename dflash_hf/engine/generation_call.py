@@ -4,7 +4,8 @@
 (docs/design.md, "The inference cycle"); `dflash_hf.engine.generation` holds the public entry points around it.
 The steps are methods of one class because they all read and edit the same call state (sequences, caches, active
 rows, statistics). The pure parts live next to it: option checks (`checks`), acceptance rules (`acceptance`), cache
-edits (`cache_ops`), block-size policies (`block_size`), the two-candidate tree (`tree`).
+edits (`cache_ops`), block-size policies (`block_size`), tree verification (`tree`) and the draft tree's search
+(`draft_tree`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
@@ -28,12 +30,15 @@ from .adapters import TargetAdapter
 from .block_size import BlockSizePolicy, make_block_size_policy
 from .cache_ops import keep_path, select_rows, shift_cache_right, shift_right, truncate_cache
 from .checks import check_drafter, check_options
+from .draft_tree import DraftTree, DraftTreeSearch, SlotCandidates, corrected_logits, pack_trees
 from .grouped_attention import grouped_attention
 from .output import DFlashGenerateOutput
 from .processing import BlockLogitsProcessor
 from .tree import (
     DEFAULT_CANDIDATES,
     LookupBranchChoice,
+    accept_tree,
+    ancestor_mask,
     lookup_branch_length,
     lookup_continuation,
     path_order,
@@ -41,6 +46,7 @@ from .tree import (
     tree_accept,
     tree_attention_mask,
     tree_layout,
+    tree_path,
     verify_width,
 )
 
@@ -61,6 +67,22 @@ def _mask_or_none(mask: torch.Tensor, block: int = 0) -> torch.Tensor | None:
     if bool(mask.all()):
         return None
     return torch.cat([mask, mask.new_ones(mask.shape[0], block)], dim=1) if block else mask
+
+
+def _finite_slots(draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(logits, finite)`: a slot with non-finite logits (a diverged or overflowing drafter) gets zero logits, so that
+    drafting stays well-defined; `finite` `(batch, slots)` says which slots kept theirs."""
+    finite = torch.isfinite(draft_logits).all(dim=-1)
+    return torch.where(finite[..., None], draft_logits, torch.zeros_like(draft_logits)), finite
+
+
+class _Cycle(NamedTuple):
+    """What one cycle committed and verified, for the policies that learn from it."""
+
+    kept: list[int]  # tokens committed per row
+    block_kept: list[int]  # what the DFlash block alone would have committed per row (the block-size policy's lesson)
+    width: int  # tokens verified per row
+    lookup_choice: bool | None  # with a lookup continuation in a two-branch cycle: whether the tree was verified
 
 
 def _row_exact_verification(target: PreTrainedModel, max_block: int) -> bool:
@@ -131,14 +153,15 @@ class GenerationCall:
         self.do_sample = bool(generation_config.do_sample)
         self.sample_slots = self.do_sample and sampling_proposal == "sample"
         self.process = BlockLogitsProcessor(logits_processor)
-        # the lookup branch needs greedy verification and a processor that scores every tree node alone
-        self.lookup_branch = (
-            candidates == "dflash+lookup"
-            and not self.do_sample
-            and (self.process.is_identity or self.process.prefix_free)
-        )
+        # trees (the lookup branch, the draft tree) need greedy verification and a processor that scores every node
+        # alone; sampling verifies the DFlash block (the chain) alone
+        tree_verify = not self.do_sample and (self.process.is_identity or self.process.prefix_free)
+        self.lookup_branch = candidates in ("dflash+lookup", "tree") and tree_verify
+        self.tree_search = DraftTreeSearch() if candidates == "tree" and tree_verify else None
         self.lookup_tokens = None if lookup_tokens is None else int(lookup_tokens)
         widest = verify_width(self.max_block, self.lookup_branch, self.lookup_tokens)
+        if self.tree_search is not None:  # the lookup branch's tokens count against the tree's nodes
+            widest = self.max_block + self.tree_search.budget.max_nodes
         self.row_exact = _row_exact_verification(target, widest)
         self.sliding_window = sliding_window_of(target.config)
         self.tree_choice = LookupBranchChoice()
@@ -169,6 +192,7 @@ class GenerationCall:
         self.accepted_lengths: list[list[int]] = [[] for _ in range(batch)]
         self.lookup_wins = [0] * batch
         self.block_sizes: list[list[int]] = [[] for _ in range(batch)]
+        self.verify_widths: list[list[int]] = [[] for _ in range(batch)]
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         self.prompt_mask = attention_mask.to(torch.long)
@@ -217,8 +241,7 @@ class GenerationCall:
         that drafting stays well-defined, and (sampling) its proposal distribution is zero, which `rejection_sample`
         always rejects; greedy verification keeps only drafts equal to the target's tokens anyway.
         """
-        finite = torch.isfinite(draft_logits).all(dim=-1)
-        draft_logits = torch.where(finite[..., None], draft_logits, torch.zeros_like(draft_logits))
+        draft_logits, finite = _finite_slots(draft_logits)
         if markov_inputs is None:
             tokens, probs = self._draft_tokens(draft_logits, rows)
         else:
@@ -240,9 +263,8 @@ class GenerationCall:
         tokens, probs = draft_logits.new_empty(draft_logits.shape[:2], dtype=torch.long), []
         previous = anchors
         for slot in range(draft_logits.shape[1]):
-            bias = self.markov_head(previous[:, None], hidden_states[:, slot : slot + 1])
-            bias = bias.to(draft_logits.dtype).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # a diverged head: no say
-            corrected = draft_logits[:, slot : slot + 1] + bias
+            slot_logits, slot_hidden = draft_logits[:, slot : slot + 1], hidden_states[:, slot : slot + 1]
+            corrected = corrected_logits(self.markov_head, slot_logits, previous[:, None], slot_hidden)
             token, prob = self._draft_tokens(corrected, rows, drafted=tokens[:, :slot])
             tokens[:, slot] = previous = token[:, 0]
             probs.append(prob)
@@ -259,8 +281,7 @@ class GenerationCall:
         if self.draft_token_ids is not None:
             if self.process.is_identity and not self.sample_slots:
                 return self.draft_token_ids[draft_logits.argmax(dim=-1)], None
-            full = draft_logits.new_full((*draft_logits.shape[:2], self.adapter.vocab_size), float("-inf"))
-            draft_logits = full.index_copy_(-1, self.draft_token_ids, draft_logits)
+            draft_logits = self._full_vocabulary(draft_logits)
         if self.process.is_identity or self.process.prefix_free:
             scores = self.process(draft_logits, rows, lambda: [])
             if not self.sample_slots:
@@ -284,6 +305,24 @@ class GenerationCall:
                 else:
                     tokens[i, slot] = scores.argmax()
         return tokens, probs
+
+    def _full_vocabulary(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the reduced draft vocabulary spread over the target's (-inf outside the draft vocabulary)."""
+        full = draft_logits.new_full((*draft_logits.shape[:-1], self.adapter.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_token_ids, draft_logits)
+
+    def _slot_candidates(self, draft_logits: torch.Tensor, hidden_states: torch.Tensor) -> SlotCandidates:
+        """The children of the draft trees' nodes: each slot's top tokens under the processed distribution the chain
+        drafts its argmax from (`_draft_tokens`), through the Markov head when the drafter has one."""
+        reduced = self.draft_token_ids is not None and self.process.is_identity
+
+        def probabilities(logits: torch.Tensor) -> torch.Tensor:
+            if self.draft_token_ids is not None and not reduced:
+                logits = self._full_vocabulary(logits)
+            return torch.softmax(self.process(logits[:, None], [], lambda: [])[:, 0], dim=-1)
+
+        token_ids = self.draft_token_ids if reduced else None
+        return SlotCandidates(draft_logits, probabilities, token_ids, self.markov_head, hidden_states)
 
     def _accept(self, target_logits: torch.Tensor, block_tokens, draft_tokens, draft_probs, rows):
         """Accepted drafts and the target's next token per row (greedy prefix match, or rejection sampling)."""
@@ -343,24 +382,18 @@ class GenerationCall:
             block = max(1, min(self.policy.next_block_size(), self._remaining(state.rows) + 1))
             cycle_start = time.perf_counter()
             block_pos = state.committed[:, None] + torch.arange(block, device=self.device)[None, :]
-            draft_tokens, draft_probs = self._draft(state, block, block_pos)
-            self._realign(state)
-            lookups = self._lookups(state, block) if block > 1 else None  # block 1: a plain step
-            tree = lookups is not None and self.tree_choice.use_tree()
-            if not tree:
-                accepted, next_tokens, step = self._verify(state, block_pos, draft_tokens, draft_probs)
-                kept = self._commit(state, block, draft_tokens, accepted, next_tokens, step)
+            if self.tree_search is not None and block > 1:
+                cycle = self._draft_tree_cycle(state, block, block_pos)
             else:
-                result, step, order, ids = self._verify_tree(state, block_pos, draft_tokens, lookups)
-                path = ids.gather(1, order)[:, 1:]
-                kept = self._commit(state, block, path, result.accepted, result.next_token, step, order)
-                for row, lookup_won in zip(state.rows, result.lookup_won.tolist()):
-                    self.lookup_wins[row] += int(lookup_won)
+                cycle = self._block_cycle(state, block, block_pos)
             seconds = time.perf_counter() - cycle_start
-            # the block-size policy learns the DFlash block's own acceptance, not the lookup branch's wins
-            self.policy.observe(block, kept if not tree else (result.block_accepted + 1).tolist(), seconds)
-            if lookups is not None:
-                self.tree_choice.observe(tree, sum(kept) / len(kept), seconds)
+            # the block-size policy learns the DFlash block's own acceptance, not the other branches' wins
+            self.policy.observe(block, cycle.block_kept, seconds)
+            committed = sum(cycle.kept) / len(cycle.kept)
+            if cycle.lookup_choice is not None:
+                self.tree_choice.observe(cycle.lookup_choice, committed, seconds)
+            if self.tree_search is not None:
+                self.tree_search.budget.observe(cycle.width, committed, seconds)
             self._drop_finished(state)
             self._stream()
         if self.streamer is not None:
@@ -390,28 +423,79 @@ class GenerationCall:
         self._drop_finished(state)
         return state
 
-    def _draft(self, state: _ActiveRows, block: int, block_pos: torch.LongTensor):
-        """2. One drafter forward over `[anchor, MASK * (block-1)]`: the pending context enters the draft cache,
-        the block's own K/V are dropped right after. Returns the draft tokens (and proposal distributions)."""
+    def _block_cycle(self, state: _ActiveRows, block: int, block_pos: torch.LongTensor) -> _Cycle:
+        """2-5 with the DFlash block: draft, re-align, verify the block (or the two-branch tree with the row's lookup
+        continuation, as `tree_choice` decides), commit."""
+        draft_tokens, draft_probs = self._draft(state, block, block_pos)
+        self._realign(state)
+        lookups = self._lookups(state, block) if block > 1 else None  # block 1: a plain step
+        tree = lookups is not None and self.tree_choice.use_tree()
+        if not tree:
+            accepted, next_tokens, step = self._verify(state, block_pos, draft_tokens, draft_probs)
+            kept = self._commit(state, block, draft_tokens, accepted, next_tokens, step)
+            return _Cycle(kept, kept, block, None if lookups is None else False)
+        result, step, order, ids = self._verify_tree(state, block_pos, draft_tokens, lookups)
+        path = ids.gather(1, order)[:, 1:]
+        widths = [block + len(lookup) for lookup in lookups]
+        kept = self._commit(state, block, path, result.accepted, result.next_token, step, order, widths)
+        for row, lookup_won in zip(state.rows, result.lookup_won.tolist()):
+            self.lookup_wins[row] += int(lookup_won)
+        return _Cycle(kept, (result.block_accepted + 1).tolist(), ids.shape[1], True)
+
+    def _draft_tree_cycle(self, state: _ActiveRows, block: int, block_pos: torch.LongTensor) -> _Cycle:
+        """2-5 with draft trees (`draft_tree`): draft, grow every row's tree, re-align, verify all trees in one target
+        forward, commit each row's longest accepted path. When no tree has a node beyond the chain, the chains are
+        verified as the DFlash block."""
+        lookups = self._lookups(state, block) or [[] for _ in state.rows]
         with self.draft_timer:
-            noise_ids = torch.full((len(state.rows), block), self.mask_token_id, dtype=torch.long, device=self.device)
-            noise_ids[:, 0] = state.anchors
-            out = self.drafter(
-                noise_embeds=self.adapter.embed(noise_ids),
-                context_hidden_states=state.pending_context_hidden_states,
-                position_ids=torch.cat([state.pending_pos, block_pos], dim=1),
-                attention_mask=_mask_or_none(state.mask, block),
-                past_key_values=self.draft_cache,
-            )
-            truncate_cache(self.draft_cache, state.mask.shape[1])
-            if block == 1:  # a plain step: the drafter has read the new context, nothing is drafted
+            draft_logits, hidden_states = self._draft_slots(state, block, block_pos)
+            draft_logits, _ = _finite_slots(draft_logits)
+            candidates = self._slot_candidates(draft_logits, hidden_states)
+            trees = self.tree_search.grow(state.anchors.tolist(), candidates, block - 1, lookups)
+        self._realign(state)
+        if all(len(tree) == block for tree in trees):
+            chains = torch.tensor([tree.tokens[1:] for tree in trees], dtype=torch.long, device=self.device)
+            accepted, next_tokens, step = self._verify(state, block_pos, chains, None)
+            kept = self._commit(state, block, chains, accepted, next_tokens, step)
+            on_path = torch.arange(block, device=self.device)[None, :] <= accepted[:, None]
+            self.tree_search.observe(trees, on_path.tolist())
+            return _Cycle(kept, kept, block, None)
+        result, step, order, ids = self._verify_draft_trees(state, block_pos, trees)
+        path, widths = ids.gather(1, order)[:, 1:], [len(tree) for tree in trees]
+        kept = self._commit(state, block, path, result.accepted, result.next_token, step, order, widths)
+        self.tree_search.observe(trees, result.node_accepted.tolist())
+        for row, tree, best in zip(state.rows, trees, result.best.tolist()):
+            self.lookup_wins[row] += int(tree.from_lookup[best])
+        return _Cycle(kept, (result.node_accepted[:, 1:block].sum(dim=1) + 1).tolist(), ids.shape[1], None)
+
+    def _draft(self, state: _ActiveRows, block: int, block_pos: torch.LongTensor):
+        """2. The draft tokens (and proposal distributions) of the block, from one drafter forward (`_draft_slots`)."""
+        with self.draft_timer:
+            if block == 1:  # a plain step: the drafter reads the new context, nothing is drafted
+                self._draft_slots(state, block, block_pos)
                 none = torch.empty(len(state.rows), 0, dtype=torch.long, device=self.device)
                 probs = torch.empty(len(state.rows), 0, self.adapter.vocab_size, device=self.device)
                 return none, probs if self.do_sample else None
-            draft_logits = self.adapter.logits(out.last_hidden_state[:, 1:], self.draft_token_ids)
+            draft_logits, hidden_states = self._draft_slots(state, block, block_pos)
             if self.markov_head is None:
                 return self._propose(draft_logits, state.rows)
-            return self._propose(draft_logits, state.rows, (state.anchors, out.last_hidden_state[:, 1:]))
+            return self._propose(draft_logits, state.rows, (state.anchors, hidden_states))
+
+    def _draft_slots(self, state: _ActiveRows, block: int, block_pos: torch.LongTensor):
+        """One drafter forward over `[anchor, MASK * (block-1)]`: the pending context enters the draft cache, the
+        block's own K/V are dropped right after. Returns the draft slots' logits and final hidden states."""
+        noise_ids = torch.full((len(state.rows), block), self.mask_token_id, dtype=torch.long, device=self.device)
+        noise_ids[:, 0] = state.anchors
+        out = self.drafter(
+            noise_embeds=self.adapter.embed(noise_ids),
+            context_hidden_states=state.pending_context_hidden_states,
+            position_ids=torch.cat([state.pending_pos, block_pos], dim=1),
+            attention_mask=_mask_or_none(state.mask, block),
+            past_key_values=self.draft_cache,
+        )
+        truncate_cache(self.draft_cache, state.mask.shape[1])
+        hidden_states = out.last_hidden_state[:, 1:]
+        return self.adapter.logits(hidden_states, self.draft_token_ids), hidden_states
 
     def _realign(self, state: _ActiveRows) -> None:
         """3. Shift right the rows that committed fewer tokens last cycle (both caches now have the same layout)."""
@@ -451,21 +535,37 @@ class GenerationCall:
         """4b. One target forward over the tree `[anchor, drafts, lookup]`; returns `(acceptance, target step, path
         order, tree ids)`."""
         ids, positions, sees, valid = tree_layout(state.anchors, draft_tokens, lookups, block_pos[:, 0])
+        step, target_tokens = self._verify_nodes(state, ids, positions, sees)
+        result = tree_accept(ids, target_tokens, draft_tokens.shape[1], valid)
+        order = path_order(result.accepted, result.lookup_won, draft_tokens.shape[1], int(result.accepted.max()) + 1)
+        return result, step, order, ids
+
+    def _verify_draft_trees(self, state: _ActiveRows, block_pos, trees: list[DraftTree]):
+        """4c. One target forward over every row's draft tree; returns `(acceptance, target step, path order, tree
+        ids)`."""
+        ids, parents, depths, valid = pack_trees(trees, self.device)
+        step, target_tokens = self._verify_nodes(state, ids, block_pos[:, :1] + depths, ancestor_mask(parents))
+        result = accept_tree(ids, parents, depths, valid, target_tokens)
+        order = tree_path(parents, result.best, result.accepted, int(result.accepted.max()) + 1)
+        return result, step, order, ids
+
+    def _verify_nodes(self, state: _ActiveRows, ids, positions, sees):
+        """One target forward over tree nodes `ids` at `positions`, each attending to the context and the nodes `sees`
+        marks; returns the target step and its (processed) argmax at every node."""
         with self.verify_timer, row_exact.verification(self.row_exact):
             dtype = self.adapter.embed_tokens.weight.dtype
             mask = tree_attention_mask(state.mask, sees, dtype, positions, self.sliding_window)
             step = self.adapter.forward(ids, mask, positions, self.target_cache)
             scores = self.process(self.adapter.logits(step.last_hidden_state), state.rows, lambda: [])
-            result = tree_accept(ids, scores.argmax(dim=-1), draft_tokens.shape[1], valid)
-        order = path_order(result.accepted, result.lookup_won, draft_tokens.shape[1], int(result.accepted.max()) + 1)
-        return result, step, order, ids
+        return step, scores.argmax(dim=-1)
 
     def _commit(
-        self, state: _ActiveRows, block: int, path_tokens, accepted, next_tokens, step, order=None
+        self, state: _ActiveRows, block: int, path_tokens, accepted, next_tokens, step, order=None, widths=None
     ) -> list[int]:
         """5. Anchor + accepted drafts enter the caches, the target's token becomes the next anchor, tokens are
         emitted. `order` (a tree verify): the verified positions of each row's accepted path, in order, which alone
-        stay in the cache. Returns the tokens kept per row."""
+        stay in the cache; `widths`: the tokens verified per row (default: the block). Returns the tokens kept per
+        row."""
         kept = accepted + 1
         width = int(kept.max())
         features = step.context_hidden_states
@@ -486,6 +586,7 @@ class GenerationCall:
             emitted = self._emit(row, draft_list[i][: kept_list[i] - 1] + [next_list[i]])
             self.accepted_lengths[row].append(emitted)
             self.block_sizes[row].append(block)
+            self.verify_widths[row].append(block if widths is None else widths[i])
         return kept_list
 
     def _drop_finished(self, state: _ActiveRows) -> None:
@@ -516,4 +617,5 @@ class GenerationCall:
             block_size=self.max_block,
             block_sizes=self.block_sizes,
             lookup_wins=self.lookup_wins if self.lookup_branch else [],
+            verify_widths=self.verify_widths,
         )

@@ -23,7 +23,9 @@ class DFlashGenerateOutput:
         block_size: the largest block size used (the fixed size, or the adaptive policy's largest candidate).
         block_sizes: per row, the block size of each of its cycles (parallel to `accepted_lengths`).
         lookup_wins: per row, the cycles whose accepted path was the prompt-lookup branch (with
-            `candidates="dflash+lookup"` and greedy decoding; empty otherwise).
+            `candidates="dflash+lookup"` or `"tree"` and greedy decoding; empty otherwise).
+        verify_widths: per row, the tokens verified in each of its cycles (the block, plus the lookup branch or the
+            draft tree's other nodes; parallel to `accepted_lengths`).
     """
 
     sequences: torch.LongTensor | None = None
@@ -36,6 +38,7 @@ class DFlashGenerateOutput:
     block_size: int = 0
     block_sizes: list[list[int]] = field(default_factory=list)
     lookup_wins: list[int] = field(default_factory=list)
+    verify_widths: list[list[int]] = field(default_factory=list)
 
     @property
     def acceptance_rate_by_slot(self) -> list[float]:

@@ -14,7 +14,8 @@ from typing import NamedTuple
 
 import torch
 
-CANDIDATE_SOURCES = ("dflash", "dflash+lookup")  # what a verify checks: the DFlash block alone, or with a lookup branch
+# what a verify checks: the DFlash block alone, with a lookup branch, or a draft tree (`draft_tree`) with one
+CANDIDATE_SOURCES = ("dflash", "dflash+lookup", "tree")
 # the bench's rows with and without the lookup branch compare the two (docs/results.md)
 DEFAULT_CANDIDATES = "dflash+lookup"
 LOOKUP_NGRAM_SIZES = (3, 2)  # longest n-gram first, as prompt lookup does; 1-grams match too often to pay
