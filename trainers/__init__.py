@@ -8,18 +8,16 @@
 
 from .collator import DFlashDataCollator
 from .config import DFlashTrainingConfig
-from .masks import (
+from .masks import block_attention_mask, build_blocks, flex_block_mask, sample_anchors
+from .metrics import (
+    LOSS_WEIGHTINGS,
     accepted_drafts,
-    block_attention_mask,
-    build_blocks,
     decoding_walk,
     default_loss_decay_gamma,
-    flex_block_mask,
+    dpace_slot_weights,
     implied_acceptance_length,
-    sample_anchors,
     slot_loss_weights,
 )
-from .metrics import LOSS_WEIGHTINGS, dpace_slot_weights
 from .trainer import DFlashTrainer
 
 __all__ = [

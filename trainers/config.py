@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .masks import default_loss_decay_gamma
-from .metrics import LOSS_WEIGHTINGS
+from .metrics import LOSS_WEIGHTINGS, default_loss_decay_gamma
 
 FEATURE_MODES = ("online", "offline")
 ATTENTION_BACKENDS = ("auto", "flex_attention", "sdpa", "eager")

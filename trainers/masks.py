@@ -8,49 +8,19 @@ Conventions (the two published DFlash training bugs are the shifted-by-one label
   inference the anchor has not been through the target yet) and all of its own block; blocks never see each other.
 * **Labels** are same-position: slot `k` (k = 1..B-1) is labelled with the token at `anchor_j + k`, only where that
   token is a response token. Slot 0 (the anchor itself) is never trained.
-* **Loss weights:** `exp(-(k - 1) / gamma)` for slot `k >= 1`, normalised by the sum of the weights of the valid labels.
+* **Loss weights:** `exp(-(k - 1) / gamma)` for slot `k >= 1` (`metrics.slot_loss_weights`), normalised by the sum
+  of the weights of the valid labels.
 * **Previous tokens** (a Markov head's input, teacher forcing): slot `k`'s is the true token at `anchor_j + k - 1`, so
   slot 1's is the anchor.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-# Paper values of the loss decay gamma by block size.
-PAPER_LOSS_DECAY_GAMMA: dict[int, float] = {8: 4.0, 10: 5.0, 16: 7.0}
-
-
-def default_loss_decay_gamma(block_size: int) -> float:
-    """Loss decay `gamma` for a block size.
-
-    The paper's values for B = 8, 10 and 16 (4, 5, 7). Other block sizes interpolate piecewise-linearly through
-    the points (8, 4), (10, 5), (16, 7) and extrapolate with the slope of the nearest segment: `B / 2` below 10
-    and `7 + (B - 16) / 3` above 16; never below 1.
-    """
-    block_size = int(block_size)
-    if block_size < 2:
-        raise ValueError(f"block_size must be >= 2, got {block_size}.")
-    if block_size in PAPER_LOSS_DECAY_GAMMA:
-        return PAPER_LOSS_DECAY_GAMMA[block_size]
-    if block_size <= 10:
-        gamma = block_size / 2.0
-    else:
-        gamma = 5.0 + (block_size - 10) / 3.0
-    return max(1.0, gamma)
-
-
-def slot_loss_weights(block_size: int, gamma: float, device=None, dtype=torch.float32) -> torch.Tensor:
-    """Per-slot weights `(block_size,)`: 0 for the anchor slot, `exp(-(k - 1) / gamma)` for slot `k >= 1`."""
-    if gamma <= 0:
-        raise ValueError(f"loss_decay_gamma must be > 0, got {gamma}.")
-    k = torch.arange(block_size, device=device, dtype=torch.float64)
-    weights = torch.exp(-(k - 1) / float(gamma))
-    weights[0] = 0.0
-    return weights.to(dtype)
+from .metrics import slot_loss_weights
 
 
 def valid_anchor_positions(loss_mask: torch.Tensor, lengths: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -182,43 +152,3 @@ def build_blocks(
         previous_ids=previous_ids.flatten(1),
         weights=weights,
     )
-
-
-def implied_acceptance_length(slot_accuracy: list[float]) -> float:
-    """Expected tokens per verify cycle if slot `k` is right with probability `acc_k` independently:
-    `1 + sum_k prod_{i <= k} acc_i` (the bonus token plus the accepted prefix)."""
-    total, run = 1.0, 1.0
-    for acc in slot_accuracy:
-        if math.isnan(acc):
-            break
-        run *= acc
-        total += run
-    return total
-
-
-def accepted_drafts(correct: torch.Tensor) -> torch.Tensor:
-    """Drafts greedy verification accepts per block, `(..., B) -> (...)`: the longest run of correct slots from slot 1
-    (slot 0 is the given anchor)."""
-    return torch.cumprod(correct[..., 1:].long(), dim=-1).sum(dim=-1)
-
-
-def decoding_walk(prefix: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor) -> tuple[int, int]:
-    """Greedy speculative decoding replayed on each row's own response: `(committed tokens, verify cycles)`.
-
-    `prefix[r, j]` is the number of drafts the target accepts in the block anchored at `anchors[r, j]`. The first
-    block is anchored at the row's first valid anchor and each next one where the previous stopped (its accepted
-    drafts plus the bonus token later), which is where decoding puts them: after a rejection, unlike a mean over every
-    anchor. Needs every valid anchor of the row, consecutive (the evaluation's anchors); rows whose anchors are not
-    are skipped."""
-    tokens = cycles = 0
-    for row_prefix, row_anchors, row_valid in zip(prefix.tolist(), anchors.tolist(), anchor_valid.tolist()):
-        count = sum(row_valid)
-        if count == 0 or row_anchors[:count] != list(range(row_anchors[0], row_anchors[0] + count)):
-            continue
-        j = 0
-        while j < count:
-            committed = row_prefix[j] + 1
-            tokens += committed
-            cycles += 1
-            j += committed
-    return tokens, cycles

@@ -1,10 +1,61 @@
-"""Loss weights and acceptance arithmetic of DFlash training, as pure functions of tensors."""
+"""Loss weights, per-slot accuracy and acceptance arithmetic of DFlash training, as pure functions of tensors.
+
+The trainer keeps only state (the running sums of each mode, their reduction across processes); every number it logs
+is computed here:
+
+* **loss weights:** `exp(-(k - 1) / gamma)` per slot ([`slot_loss_weights`], `gamma` by block size in
+  [`default_loss_decay_gamma`]) or D-PACE ([`dpace_slot_weights`]); the per-slot loss is the cross-entropy of the
+  label, mixed with distillation ([`slot_losses`]);
+* **per-slot accuracy:** correct and labelled slots summed over a batch ([`slot_accuracy_sums`]), divided at log time
+  ([`slot_accuracies`]);
+* **acceptance:** implied by the per-slot accuracies ([`implied_acceptance_length`]), measured block by block
+  ([`accepted_drafts`]) and replayed as greedy decoding on each response ([`decoding_walk`]);
+* **metric sums:** what one batch adds ([`batch_metric_sums`]) and the logged metrics they give ([`metrics_from_sums`]).
+"""
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 LOSS_WEIGHTINGS = ("exp_decay", "dpace")
+
+# Paper values of the loss decay gamma by block size.
+PAPER_LOSS_DECAY_GAMMA: dict[int, float] = {8: 4.0, 10: 5.0, 16: 7.0}
+
+
+# ---------------------------------------------------------------------------------------------------- loss weights
+
+
+def default_loss_decay_gamma(block_size: int) -> float:
+    """Loss decay `gamma` for a block size.
+
+    The paper's values for B = 8, 10 and 16 (4, 5, 7). Other block sizes interpolate piecewise-linearly through
+    the points (8, 4), (10, 5), (16, 7) and extrapolate with the slope of the nearest segment: `B / 2` below 10
+    and `7 + (B - 16) / 3` above 16; never below 1.
+    """
+    block_size = int(block_size)
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2, got {block_size}.")
+    if block_size in PAPER_LOSS_DECAY_GAMMA:
+        return PAPER_LOSS_DECAY_GAMMA[block_size]
+    if block_size <= 10:
+        gamma = block_size / 2.0
+    else:
+        gamma = 5.0 + (block_size - 10) / 3.0
+    return max(1.0, gamma)
+
+
+def slot_loss_weights(block_size: int, gamma: float, device=None, dtype=torch.float32) -> torch.Tensor:
+    """Per-slot weights `(block_size,)`: 0 for the anchor slot, `exp(-(k - 1) / gamma)` for slot `k >= 1`."""
+    if gamma <= 0:
+        raise ValueError(f"loss_decay_gamma must be > 0, got {gamma}.")
+    k = torch.arange(block_size, device=device, dtype=torch.float64)
+    weights = torch.exp(-(k - 1) / float(gamma))
+    weights[0] = 0.0
+    return weights.to(dtype)
 
 
 def dpace_slot_weights(label_probs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -32,3 +83,141 @@ def dpace_slot_weights(label_probs: torch.Tensor, valid: torch.Tensor) -> torch.
         weights = through.flip(-1).cumsum(-1).flip(-1)
         weights[..., 0] = 0.0
         return torch.where(valid, weights, torch.zeros((), device=weights.device))
+
+
+def dpace_label_weights(logits: torch.Tensor, labels: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    """D-PACE weights of the selected slots, from the drafter's probabilities of their labels (0 for a label it
+    cannot draft, `-100`).
+
+    Args:
+        logits: `(n, vocab)` of the `n` selected slots. labels: `(n,)`. selected: `(..., block)` bool, `n` True.
+
+    Returns:
+        `(n,)` weights, in the order of the selected slots.
+    """
+    with torch.no_grad():
+        probs = logits.float().softmax(dim=-1).gather(-1, labels.clamp_min(0)[:, None])[:, 0]
+        probs = torch.where(labels >= 0, probs, torch.zeros_like(probs))
+        per_slot = torch.zeros(selected.shape, dtype=probs.dtype, device=probs.device)
+        per_slot[selected] = probs
+        return dpace_slot_weights(per_slot, selected)[selected]
+
+
+def slot_losses(
+    logits: torch.Tensor, labels: torch.Tensor, target_probs: torch.Tensor | None, distill_weight: float
+) -> torch.Tensor:
+    """Per labelled slot `(n,)`: the cross-entropy of its label (0 where it is `-100`), mixed as
+    `(1 - distill_weight) * CE + distill_weight * CE(target_probs)` with distillation on the target's distribution
+    (`target_probs` `(n, vocab)`, needed when `distill_weight > 0`)."""
+    ce = F.cross_entropy(logits, labels, reduction="none", ignore_index=-100)
+    if distill_weight > 0:
+        soft = -(target_probs * logits.float().log_softmax(dim=-1)).sum(dim=-1)
+        ce = (1.0 - distill_weight) * ce + distill_weight * soft
+    return ce
+
+
+# ------------------------------------------------------------------------------------------- accuracy, acceptance
+
+
+def slot_accuracy_sums(correct: torch.Tensor, selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Correct and labelled slots `(block,)` each (float64), summed over the batch and anchors of `(b, A, block)`
+    bool tensors."""
+    return correct.sum(dim=(0, 1)).to(torch.float64), selected.sum(dim=(0, 1)).to(torch.float64)
+
+
+def slot_accuracies(slot_correct: torch.Tensor, slot_total: torch.Tensor) -> list[float]:
+    """Accuracy of slots 1 .. B-1 from their sums; `nan` for a slot that had no label."""
+    acc = (slot_correct / slot_total.clamp_min(1)).tolist()
+    return [acc[k] if float(slot_total[k]) > 0 else float("nan") for k in range(1, len(acc))]
+
+
+def implied_acceptance_length(slot_accuracy: list[float]) -> float:
+    """Expected tokens per verify cycle if slot `k` is right with probability `acc_k` independently:
+    `1 + sum_k prod_{i <= k} acc_i` (the bonus token plus the accepted prefix)."""
+    total, run = 1.0, 1.0
+    for acc in slot_accuracy:
+        if math.isnan(acc):
+            break
+        run *= acc
+        total += run
+    return total
+
+
+def accepted_drafts(correct: torch.Tensor) -> torch.Tensor:
+    """Drafts greedy verification accepts per block, `(..., B) -> (...)`: the longest run of correct slots from slot 1
+    (slot 0 is the given anchor)."""
+    return torch.cumprod(correct[..., 1:].long(), dim=-1).sum(dim=-1)
+
+
+def decoding_walk(prefix: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor) -> tuple[int, int]:
+    """Greedy speculative decoding replayed on each row's own response: `(committed tokens, verify cycles)`.
+
+    `prefix[r, j]` is the number of drafts the target accepts in the block anchored at `anchors[r, j]`. The first
+    block is anchored at the row's first valid anchor and each next one where the previous stopped (its accepted
+    drafts plus the bonus token later), which is where decoding puts them: after a rejection, unlike a mean over every
+    anchor. Needs every valid anchor of the row, consecutive (the evaluation's anchors); rows whose anchors are not
+    are skipped."""
+    tokens = cycles = 0
+    for row_prefix, row_anchors, row_valid in zip(prefix.tolist(), anchors.tolist(), anchor_valid.tolist()):
+        count = sum(row_valid)
+        if count == 0 or row_anchors[:count] != list(range(row_anchors[0], row_anchors[0] + count)):
+            continue
+        j = 0
+        while j < count:
+            committed = row_prefix[j] + 1
+            tokens += committed
+            cycles += 1
+            j += committed
+    return tokens, cycles
+
+
+# ------------------------------------------------------------------------------------------------- metric sums
+
+
+def zero_metric_sums(block_size: int, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """The running sums behind the logged metrics, all zero (float64): `slot_correct` and `slot_total`
+    `(block_size,)`, `prefix_sum` (accepted drafts) over `blocks`, and `walk_tokens` over `walk_cycles` (replayed
+    decoding)."""
+    sums = {key: torch.zeros(block_size, device=device, dtype=torch.float64) for key in ("slot_correct", "slot_total")}
+    for key in ("prefix_sum", "blocks", "walk_tokens", "walk_cycles"):
+        sums[key] = torch.zeros((), device=device, dtype=torch.float64)
+    return sums
+
+
+def batch_metric_sums(stats: dict[str, torch.Tensor], replay_decoding: bool) -> dict[str, torch.Tensor | int]:
+    """What one batch adds to the sums of [`zero_metric_sums`], from the loss's statistics (`correct` and `selected`
+    `(b, A, B)` bool; `anchors` and `anchor_valid` `(b, A)` unless no row had room for a block).
+
+    `replay_decoding` also replays greedy decoding ([`decoding_walk`]), which needs every valid anchor of each row
+    (evaluation takes them all; training samples some)."""
+    correct, selected = stats["correct"].detach(), stats["selected"].detach()
+    slot_correct, slot_total = slot_accuracy_sums(correct, selected)
+    sums: dict[str, torch.Tensor | int] = {"slot_correct": slot_correct, "slot_total": slot_total}
+    if "anchor_valid" in stats:
+        prefix = accepted_drafts(correct)
+        valid = stats["anchor_valid"]
+        sums["prefix_sum"] = prefix[valid].sum().to(torch.float64)
+        sums["blocks"] = valid.sum().to(torch.float64)
+        if replay_decoding:
+            sums["walk_tokens"], sums["walk_cycles"] = decoding_walk(prefix, stats["anchors"], valid)
+    return sums
+
+
+def metrics_from_sums(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The logged metrics of [`zero_metric_sums`]'s sums (empty when no slot had a label): `accuracy` (all slots),
+    `accuracy_slot_{k}` for k = 1..B-1, `acceptance_length` (implied by the per-slot accuracies),
+    `acceptance_length_blockwise` (mean accepted prefix + 1, when blocks were counted) and
+    `acceptance_length_decoding` (tokens per cycle of replayed decoding, when it was replayed)."""
+    total = sums["slot_total"]
+    if float(total.sum()) == 0:
+        return {}
+    slot_acc = slot_accuracies(sums["slot_correct"], total)
+    metrics = {"accuracy": float(sums["slot_correct"].sum() / total.sum())}
+    for k, value in enumerate(slot_acc, start=1):
+        metrics[f"accuracy_slot_{k}"] = value
+    metrics["acceptance_length"] = implied_acceptance_length(slot_acc)
+    if float(sums["blocks"]) > 0:
+        metrics["acceptance_length_blockwise"] = 1.0 + float(sums["prefix_sum"] / sums["blocks"])
+    if float(sums["walk_cycles"]) > 0:
+        metrics["acceptance_length_decoding"] = float(sums["walk_tokens"] / sums["walk_cycles"])
+    return metrics

@@ -26,8 +26,8 @@ What it does per batch:
 Only the drafter is handed to the `Trainer` (optimised, checkpointed, wrapped for DDP); the target, its embedding
 and its LM head stay frozen (a PEFT/LoRA-adapted target is frozen too, adapters included).
 
-Logged metrics (train and eval): `loss`, `accuracy` (all slots), `accuracy_slot_{k}` for k = 1..B-1,
-`acceptance_length` (implied by the per-slot accuracies: `1 + sum_k prod_{i<=k} acc_i`) and
+Logged metrics (train and eval, computed by `metrics.py`): `loss`, `accuracy` (all slots), `accuracy_slot_{k}` for
+k = 1..B-1, `acceptance_length` (implied by the per-slot accuracies: `1 + sum_k prod_{i<=k} acc_i`) and
 `acceptance_length_blockwise` (mean accepted prefix + 1 measured block by block, what greedy verification would
 accept against the training data); evaluation also logs `acceptance_length_decoding` (greedy speculative decoding
 replayed on each held-out response, blocks anchored where the previous one stopped: the tau a bench measures on such
@@ -41,7 +41,6 @@ is refused (`PickleFreeCheckpoints` in `checkpointing.py`). Hence single-process
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from dflash_hf.modeling import DFlashConfig, DFlashDraftModel
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
@@ -55,23 +54,12 @@ from .checkpointing import PickleFreeCheckpoints
 from .collator import DFlashDataCollator
 from .config import DFlashTrainingConfig
 from .initialisation import initialise_from_target
-from .masks import (
-    accepted_drafts,
-    block_attention_mask,
-    build_blocks,
-    decoding_walk,
-    flex_block_mask,
-    implied_acceptance_length,
-    sample_anchors,
-)
-from .metrics import dpace_slot_weights
+from .masks import block_attention_mask, build_blocks, flex_block_mask, sample_anchors
+from .metrics import batch_metric_sums, dpace_label_weights, metrics_from_sums, slot_losses, zero_metric_sums
 from .optimizers import MuonWithAdamW, newton_schulz_float32_pays
 from .vocabulary import frequent_response_tokens
 
 logger = logging.get_logger(__name__)
-
-# A little over ~400 lines: the setup helpers, the loss and the metrics of one trainer (checkpoint hooks live in
-# checkpointing.py); split further, the loss and the metrics it accumulates would be read in two places.
 
 
 def _resolve_attention(backend: str, device: torch.device) -> str:
@@ -311,24 +299,13 @@ class DFlashTrainer(PickleFreeCheckpoints):
             self.add_callback(EarlyStoppingCallback(early_stopping_patience=int(args.early_stopping_patience)))
         if self.target.device != self.args.device and not getattr(self.target, "hf_device_map", None):
             self.target.to(self.args.device)
-        self._metric_sums = {mode: self._zero_sums() for mode in ("train", "eval")}
+        self._metric_sums = {mode: zero_metric_sums(self.block_size, self.args.device) for mode in ("train", "eval")}
 
     # ---------------------------------------------------------------- helpers
     @staticmethod
     def _set_attention(model: PreTrainedModel, implementation: str) -> None:
         """Switch the drafter's attention backend (Transformers checks that the backend is available)."""
         model.set_attn_implementation(implementation)
-
-    def _zero_sums(self) -> dict[str, torch.Tensor]:
-        device = self.args.device
-        return {
-            "slot_correct": torch.zeros(self.block_size, device=device, dtype=torch.float64),
-            "slot_total": torch.zeros(self.block_size, device=device, dtype=torch.float64),
-            "prefix_sum": torch.zeros((), device=device, dtype=torch.float64),
-            "blocks": torch.zeros((), device=device, dtype=torch.float64),
-            "walk_tokens": torch.zeros((), device=device, dtype=torch.float64),
-            "walk_cycles": torch.zeros((), device=device, dtype=torch.float64),
-        }
 
     @torch.no_grad()
     def target_features(
@@ -432,37 +409,16 @@ class DFlashTrainer(PickleFreeCheckpoints):
         base_logits = logits
         if self.has_markov_head:  # from here on the logits the engine drafts from (the metrics' too)
             logits = logits + output.markov_bias.view(batch, num, block, -1)[selected].float()
-        ce = self._slot_losses(logits, labels, target_probs)
+        ce = slot_losses(logits, labels, target_probs, self.distill_weight)
         if self.has_markov_head and self.markov_loss_weight < 1.0:
             w = self.markov_loss_weight
-            ce = w * ce + (1.0 - w) * self._slot_losses(base_logits, labels, target_probs)
+            ce = w * ce + (1.0 - w) * slot_losses(base_logits, labels, target_probs, self.distill_weight)
         if self.loss_weighting == "dpace":
-            weights = self._dpace_weights(logits, labels, selected)
+            weights = dpace_label_weights(logits, labels, selected)
         loss = (ce * weights).sum() / weights.sum()
         correct = torch.zeros_like(selected)
         correct[selected] = logits.argmax(dim=-1) == labels
         return loss, {"correct": correct, "selected": selected, "anchors": anchor_ids, "anchor_valid": anchor_valid}
-
-    @staticmethod
-    def _dpace_weights(logits: torch.Tensor, labels: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
-        """D-PACE weights of the selected slots, from the drafter's probabilities of their labels (0 for a label it
-        cannot draft)."""
-        with torch.no_grad():
-            probs = logits.float().softmax(dim=-1).gather(-1, labels.clamp_min(0)[:, None])[:, 0]
-            probs = torch.where(labels >= 0, probs, torch.zeros_like(probs))
-            per_slot = torch.zeros(selected.shape, dtype=probs.dtype, device=probs.device)
-            per_slot[selected] = probs
-            return dpace_slot_weights(per_slot, selected)[selected]
-
-    def _slot_losses(
-        self, logits: torch.Tensor, labels: torch.Tensor, target_probs: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Per labelled slot: the cross-entropy of its label, mixed with distillation on `target_probs`."""
-        ce = F.cross_entropy(logits, labels, reduction="none", ignore_index=-100)
-        if self.distill_weight > 0:
-            soft = -(target_probs * logits.float().log_softmax(dim=-1)).sum(dim=-1)
-            ce = (1.0 - self.distill_weight) * ce + self.distill_weight * soft
-        return ce
 
     def _teacher_probs(self, teacher: torch.Tensor, positions: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
         """The target's own next-token distribution for each labelled slot (the distillation teacher): its final hidden
@@ -475,19 +431,11 @@ class DFlashTrainer(PickleFreeCheckpoints):
             return self.adapter.logits(hidden, draft_ids).float().softmax(dim=-1)
 
     def _accumulate(self, mode: str, stats: dict[str, torch.Tensor]) -> None:
+        """Add one batch's statistics to the running sums of `mode` (evaluation, which takes every valid anchor, also
+        replays decoding)."""
         sums = self._metric_sums[mode]
-        correct, selected = stats["correct"].detach(), stats["selected"].detach()
-        sums["slot_correct"] += correct.sum(dim=(0, 1)).to(torch.float64)
-        sums["slot_total"] += selected.sum(dim=(0, 1)).to(torch.float64)
-        if "anchor_valid" in stats:
-            prefix = accepted_drafts(correct)
-            valid = stats["anchor_valid"]
-            sums["prefix_sum"] += prefix[valid].sum().to(torch.float64)
-            sums["blocks"] += valid.sum().to(torch.float64)
-            if mode == "eval":  # every valid anchor: decoding can be replayed
-                tokens, cycles = decoding_walk(prefix, stats["anchors"], valid)
-                sums["walk_tokens"] += tokens
-                sums["walk_cycles"] += cycles
+        for key, value in batch_metric_sums(stats, replay_decoding=mode == "eval").items():
+            sums[key] += value
 
     # ---------------------------------------------------------------- Trainer hooks
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -511,23 +459,10 @@ class DFlashTrainer(PickleFreeCheckpoints):
         return output
 
     def _metrics(self, mode: str) -> dict[str, float]:
-        sums = self._metric_sums[mode]
-        reduced = {k: self.accelerator.reduce(v.clone(), reduction="sum") for k, v in sums.items()}
-        self._metric_sums[mode] = self._zero_sums()
-        total = reduced["slot_total"]
-        if float(total.sum()) == 0:
-            return {}
-        acc = (reduced["slot_correct"] / total.clamp_min(1)).tolist()
-        slot_acc = [acc[k] if float(total[k]) > 0 else float("nan") for k in range(1, self.block_size)]
-        metrics = {"accuracy": float(reduced["slot_correct"].sum() / total.sum())}
-        for k, value in enumerate(slot_acc, start=1):
-            metrics[f"accuracy_slot_{k}"] = value
-        metrics["acceptance_length"] = implied_acceptance_length(slot_acc)
-        if float(reduced["blocks"]) > 0:
-            metrics["acceptance_length_blockwise"] = 1.0 + float(reduced["prefix_sum"] / reduced["blocks"])
-        if float(reduced["walk_cycles"]) > 0:
-            metrics["acceptance_length_decoding"] = float(reduced["walk_tokens"] / reduced["walk_cycles"])
-        return metrics
+        """The metrics of `mode` since its last log, summed over every process; its sums start again from zero."""
+        reduced = {k: self.accelerator.reduce(v.clone(), reduction="sum") for k, v in self._metric_sums[mode].items()}
+        self._metric_sums[mode] = zero_metric_sums(self.block_size, self.args.device)
+        return metrics_from_sums(reduced)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
