@@ -373,3 +373,38 @@ def test_sampling_with_the_tree_verifies_the_chain(monkeypatch):
     monkeypatch.setattr(dflash_hf, "generate", functools.partial(dflash_hf.generate, candidates="tree"))
     statistic, cells = chi_square(target, drafter, prompt, exact_joint_of_tokens_2_and_3(target, prompt))
     assert statistic < chi_square_bound(cells), statistic
+
+
+def test_row_exact_attention_gives_each_sequence_its_own_tree():
+    """Row-exact attention (bf16 verification on CPU) attends each node over its decode step's keys; with a draft tree
+    per row the sequences of a batch see different nodes, and each gets its own tree's keys."""
+    module = torch.nn.Module()
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 2, 4, 8, generator=generator)
+    key, value = torch.randn(2, 2, 7, 8, generator=generator), torch.randn(2, 2, 7, 8, generator=generator)
+    sees = ancestor_mask(torch.tensor([[0, 0, 0, 0], [0, 0, 1, 2]]))  # three children of the root; a chain
+    mask = tree_attention_mask(torch.ones(2, 3, dtype=torch.long), sees, torch.float32)
+    with generation_call.row_exact.verification():
+        together = generation_call.row_exact._row_exact_sdpa(module, query, key, value, mask)[0]
+        for i in range(2):
+            alone = generation_call.row_exact._row_exact_sdpa(
+                module, query[i : i + 1], key[i : i + 1], value[i : i + 1], mask[i : i + 1]
+            )[0]
+            assert torch.equal(together[i], alone[0]), i
+    masked = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask).transpose(1, 2)
+    assert torch.allclose(together, masked, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_row_exact_bf16_draft_tree_equals_plain_bf16_greedy(family):
+    reference_target, target = make_target(family).to(torch.bfloat16), make_target(family).to(torch.bfloat16)
+    input_ids = _prompt(7, 2 * GEMMA_SLIDING_WINDOW + 3)
+    reference = reference_target.generate(input_ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=[99])
+    oracle = second_choice_oracle(target, [reference[0].tolist()]).to(torch.bfloat16)
+    out = dflash_hf.generate(
+        target, oracle, input_ids, max_new_tokens=MAX_NEW, eos_token_id=[99], candidates="tree",
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    if not generation_call.row_exact.install(target, 4 + draft_tree.DEFAULT_TREE_NODES):
+        pytest.skip("this CPU's bf16 kernels cannot be made row-exact for this target (install says so)")
+    assert torch.equal(out.sequences, reference) and max(out.verify_widths[0]) > 4

@@ -57,6 +57,14 @@ def _row_exact_sdpa(
     rows = query.shape[2]
     if rows == 1 or not _ROW_EXACT.is_flagged():  # flagged: inside a verification
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if _trees_differ(attention_mask, key.shape[2] - rows):  # draft trees shaped per sequence: one sequence at a time
+        outputs = [
+            _row_exact_sdpa(
+                module, query[i : i + 1], key[i : i + 1], value[i : i + 1], attention_mask[i : i + 1], **kwargs
+            )[0]
+            for i in range(query.shape[0])
+        ]
+        return torch.cat(outputs), None
     kwargs.pop("is_causal", None)  # a single query row never uses the causal flag
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     context = key.shape[2] - rows
@@ -78,10 +86,21 @@ def _row_exact_sdpa(
     return torch.cat(outputs, dim=1), None
 
 
+def _trees_differ(mask: torch.Tensor | None, context: int) -> bool:
+    """Whether the sequences of a batch verify trees of different shapes (a draft tree per row, `engine.draft_tree`):
+    the block keys a row sees differ between sequences."""
+    if mask is None or mask.shape[0] == 1:
+        return False
+    block = mask[:, 0, :, context:]
+    sees = block if block.dtype == torch.bool else block == 0
+    return bool((sees != sees[:1]).any())
+
+
 def _decode_step_keys(mask: torch.Tensor | None, row: int, context: int, rows: int) -> torch.LongTensor | None:
     """The key indices a one-token step for block row `row` would attend over when the block's mask is not causal
-    (a tree verify's mask, `engine.tree`: a node sees its ancestors only), else `None`. The tree is the same for every
-    sequence of the batch, so the first one's mask says which block keys a row sees."""
+    (a tree verify's mask, `engine.tree`: a node sees its ancestors only), else `None`. Every sequence of the batch has
+    the same tree here ([`_trees_differ`] splits a batch whose trees differ), so the first one's mask says which block
+    keys a row sees."""
     if mask is None:
         return None
     block = mask[0, 0, row, context : context + rows]
