@@ -57,7 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=CANDIDATE_SOURCES,
         default=DEFAULT_CANDIDATES,
         help="dflash+lookup (default): also verify a prompt-lookup continuation in the same target forward (greedy "
-        "only); dflash: the DFlash block alone.",
+        "only); dflash: the DFlash block alone; tree: a draft tree over the drafter's likeliest tokens per slot and "
+        "the lookup continuation, as wide as it pays on this machine (greedy only).",
     )
     parser.add_argument(
         "--lookup-tokens",
@@ -149,8 +150,9 @@ def run(args: argparse.Namespace) -> int:
         )
 
     max_block = args.block_size or int(drafter_config.block_size)
-    lookup_branch = args.candidates == "dflash+lookup" and not sampling.get("do_sample", False)
-    widest = verify_width(max_block, lookup_branch, args.lookup_tokens)
+    greedy = not sampling.get("do_sample", False)
+    lookup_branch = args.candidates in ("dflash+lookup", "tree") and greedy
+    widest = verify_width(max_block, lookup_branch, args.lookup_tokens, args.candidates == "tree" and greedy)
     target, tokenizer, drafter, precision = load_models(args.target, drafter_dir, device, args.dtype, max_block, widest)
     inputs = _encode(tokenizer, args.prompt, use_template=not args.no_chat_template)
     inputs = {key: value.to(device) for key, value in inputs.items()}

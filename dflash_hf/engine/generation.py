@@ -100,7 +100,7 @@ def custom_generate(
     the drafter's block size for this call, or be `"adaptive"` (see [`AdaptiveBlockSize`]) or a policy object.
     `sampling_proposal` (with `do_sample=True`): `"argmax"` drafts each slot's most likely token, `"sample"` samples
     each slot from the drafter's distribution; both keep the output distributed exactly as the target's.
-    `candidates`: `"dflash"` or `"dflash+lookup"`, `lookup_tokens`: see [`generate`].
+    `candidates`: `"dflash"`, `"dflash+lookup"` or `"tree"`, `lookup_tokens`: see [`generate`].
     """
     if drafter is None:
         raise ValueError(
@@ -157,8 +157,13 @@ def generate(
     distribution; `"argmax"` drafts each slot's most likely token and accepts it with the target's probability of it.
     `candidates="dflash+lookup"` (the default; greedy): each cycle also verifies a prompt-lookup continuation of the
     row's own text, at most `lookup_tokens` long (default: 7, or the block size - 1 if more), in the same target
-    forward (a two-branch tree, `dflash_hf.engine.tree`); the longer accepted branch is kept. `candidates="dflash"`
-    verifies the DFlash block alone, as sampling and prefix-dependent logits processors always do.
+    forward (a two-branch tree, `dflash_hf.engine.tree`); the longer accepted branch is kept. `candidates="tree"`
+    (greedy): each row verifies a draft tree (`dflash_hf.engine.draft_tree`): the DFlash block, then the drafter's next
+    most likely tokens per slot (through its Markov head, if it has one, after each node's own token) and the lookup
+    continuation as further branches, added best-first while a node's chance of acceptance (the drafter's path
+    probability, calibrated by the acceptance observed in the call) is worth what one more verified token costs (timed
+    in the call), at most 16 beyond the block; the longest accepted path is kept. `candidates="dflash"` verifies the
+    DFlash block alone, as sampling (with any `candidates`) and prefix-dependent logits processors always do.
 
     Logits processors outside `dflash_hf.engine.processing.EXACT_PROCESSORS` (e.g. `guidance_scale`, custom
     `logits_processor` objects) and `inputs_embeds` are refused with a `ValueError`; `stop_strings` need the

@@ -159,9 +159,7 @@ class GenerationCall:
         self.lookup_branch = candidates in ("dflash+lookup", "tree") and tree_verify
         self.tree_search = DraftTreeSearch() if candidates == "tree" and tree_verify else None
         self.lookup_tokens = None if lookup_tokens is None else int(lookup_tokens)
-        widest = verify_width(self.max_block, self.lookup_branch, self.lookup_tokens)
-        if self.tree_search is not None:  # the lookup branch's tokens count against the tree's nodes
-            widest = self.max_block + self.tree_search.budget.max_nodes
+        widest = verify_width(self.max_block, self.lookup_branch, self.lookup_tokens, self.tree_search is not None)
         self.row_exact = _row_exact_verification(target, widest)
         self.sliding_window = sliding_window_of(target.config)
         self.tree_choice = LookupBranchChoice()

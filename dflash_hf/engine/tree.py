@@ -6,6 +6,9 @@ generated tokens, as Transformers' prompt lookup finds it). Each node attends to
 ancestors only (a 4-D additive mask) and sits at its depth's position, so the target's prediction at a node is
 exactly its prediction after the path to that node. The longer accepted path wins; the caches and the drafter's
 context features keep only that path ([`path_order`] lists its node indices).
+
+Trees of any shape, given by parent pointers, are verified the same way ([`ancestor_mask`], [`accept_tree`],
+[`tree_path`]): the draft trees of `candidates="tree"` (`draft_tree`), one per row.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+from .draft_tree import DEFAULT_TREE_NODES
 
 # what a verify checks: the DFlash block alone, with a lookup branch, or a draft tree (`draft_tree`) with one
 CANDIDATE_SOURCES = ("dflash", "dflash+lookup", "tree")
@@ -30,9 +35,12 @@ def lookup_branch_length(block: int, lookup_tokens: int | None = None) -> int:
     return max(block - 1, DEFAULT_LOOKUP_TOKENS) if lookup_tokens is None else lookup_tokens
 
 
-def verify_width(block: int, lookup_branch: bool, lookup_tokens: int | None = None) -> int:
+def verify_width(block: int, lookup_branch: bool, lookup_tokens: int | None = None, draft_tree: bool = False) -> int:
     """Tokens of the widest verify with a `block`-token DFlash block: the block, plus its longest lookup branch when
-    the verify carries one (row-exact reduced-precision verification must cover them all)."""
+    the verify carries one, or the most nodes a draft tree adds to it (`candidates="tree"`, lookup tokens included);
+    row-exact reduced-precision verification must cover them all."""
+    if draft_tree:
+        return block + DEFAULT_TREE_NODES
     return block + (lookup_branch_length(block, lookup_tokens) if lookup_branch else 0)
 
 
