@@ -48,7 +48,7 @@ def test_every_method_runs_and_is_exact(result):
     # a float32 target on CPU: plain greedy with the engine's kernels (prepacked LM head) is a second baseline
     assert names == [
         "greedy", "greedy_engine_kernels", "prompt_lookup", "native_dflash", *ENGINE_BLOCKS, "dflash_adaptive",
-        "dflash_b4_lookup",
+        "dflash_b4_lookup", "dflash_b4_tree", "dflash_b8_tree",
     ]  # fmt: skip
     for method in result.methods:
         assert method.summary.exact and method.summary.mismatched_prompts == []
@@ -243,7 +243,8 @@ def test_outputs_json_schema_plots_and_readme_section(result, tmp_path):
     assert table.splitlines()[0].endswith("| exact | vs greedy with engine kernels | lookup branch won |")
     lookup_row = next(line for line in table.splitlines() if line.startswith("| dflash-hf B=4 + lookup branch |"))
     assert lookup_row.endswith("% of cycles |") and table.splitlines()[2].endswith("| - |")
-    assert sum(line.endswith("% of cycles |") for line in table.splitlines()) == 1  # only the lookup method
+    # the lookup method and the draft-tree methods, whose trees carry the lookup branch
+    assert sum(line.endswith("% of cycles |") for line in table.splitlines()) == 3
     assert document["cost_profile"]["dtype"] == "float32" and set(document["cost_profile"]["target_ms"]) == {
         "1", "2", "4", "8", "16"
     }  # fmt: skip
@@ -285,7 +286,9 @@ def test_longer_lookup_branch_rows(setup):
     """`lookup_tokens` adds a lookup-branch row per length (the default length only once) whose engine call gets
     that length; the row runs exact."""
     target, drafter, prompts = setup
-    methods = bench.default_methods(target, drafter, block_sizes=[4], adaptive=False, lookup_tokens=[3, 7])
+    methods = bench.default_methods(
+        target, drafter, block_sizes=[4], adaptive=False, lookup_tokens=[3, 7], draft_tree=False
+    )
     assert [m.name for m in methods][-2:] == ["dflash_b4_lookup", "dflash_b4_lookup3"]  # 7 is the default length
     assert methods[-1].label == "dflash-hf B=4 + lookup branch (<= 3 tokens)"
     assert "lookup_tokens=3" in methods[-1].description

@@ -228,6 +228,7 @@ def default_methods(
     adaptive: bool = True,
     lookup_branch: bool = True,
     lookup_tokens: Sequence[int] = (),
+    draft_tree: bool = True,
 ) -> list[BenchMethod]:
     """The methods of the module docstring, in order; engine block sizes above the drafter's trained one are left out.
 
@@ -241,6 +242,8 @@ def default_methods(
             (`candidates="dflash+lookup"`).
         lookup_tokens: With `lookup_branch`, also a row per value with lookup branches of at most that many tokens
             (`lookup_tokens=N`; the default row's branch has the engine's default length, `lookup_branch_length`).
+        draft_tree: Include our engine with a draft tree (`candidates="tree"`) at the smallest and the largest block
+            size.
     """
     trained = int(drafter.config.block_size)
     bad = [b for b in block_sizes if int(b) < 2]
@@ -257,7 +260,7 @@ def default_methods(
             f"sizes <= {trained}."
         )
     return _transformers_methods(target, drafter, prompt_lookup_num_tokens) + _engine_methods(
-        target, drafter, sizes, adaptive, lookup_branch, [int(n) for n in lookup_tokens]
+        target, drafter, sizes, adaptive, lookup_branch, [int(n) for n in lookup_tokens], draft_tree
     )
 
 
@@ -266,13 +269,24 @@ def _fitting_sizes(block_sizes: Sequence[int], trained: int) -> list[int]:
     return sorted({int(b) for b in block_sizes if int(b) <= trained})
 
 
-def widest_verify(block_sizes: Sequence[int], trained: int, lookup_branch: bool, lookup_tokens: Sequence[int]) -> int:
-    """Tokens of the widest verify among [`default_methods`]' rows: the drafter's block, or the lookup rows' block
-    (the smallest size that fits) plus their longest branch."""
+def widest_verify(
+    block_sizes: Sequence[int],
+    trained: int,
+    lookup_branch: bool,
+    lookup_tokens: Sequence[int],
+    draft_tree: bool = True,
+) -> int:
+    """Tokens of the widest verify among [`default_methods`]' rows: the drafter's block, the lookup rows' block (the
+    smallest size that fits) plus their longest branch, or the draft-tree rows' largest tree."""
     sizes = _fitting_sizes(block_sizes, trained)
-    if not lookup_branch or not sizes:
+    if not sizes:
         return trained
-    return max(trained, *(verify_width(sizes[0], True, n) for n in [None, *lookup_tokens]))
+    widths = [trained]
+    if lookup_branch:
+        widths += [verify_width(sizes[0], True, n) for n in [None, *lookup_tokens]]
+    if draft_tree:
+        widths.append(verify_width(sizes[-1], False, draft_tree=True))
+    return max(widths)
 
 
 def _transformers_methods(
@@ -317,9 +331,11 @@ def _engine_methods(
     adaptive: bool,
     lookup_branch: bool,
     lookup_tokens: list[int],
+    draft_tree: bool = False,
 ) -> list[BenchMethod]:
     """Our engine at each fixed block size, with the adaptive policy, then at the smallest size with a lookup branch
-    (of the default length, then of each of `lookup_tokens`)."""
+    (of the default length, then of each of `lookup_tokens`), then with a draft tree at the smallest and the largest
+    size."""
     trained = int(drafter.config.block_size)
     methods = [
         BenchMethod(
@@ -363,6 +379,21 @@ def _engine_methods(
             for length in lookup_tokens
             if length != lookup_branch_length(size)
         ]
+    if draft_tree:
+        methods += (
+            [
+                BenchMethod(
+                    f"dflash_b{size}_tree",
+                    f"dflash-hf B={size} draft tree",
+                    _engine_runner(target, drafter, size, candidates="tree"),
+                    f'dflash_hf.generate(block_size={size}, candidates="tree")',
+                    block_size=size,
+                )
+                for size in dict.fromkeys([sizes[0], sizes[-1]])
+            ]
+            if sizes
+            else []
+        )
     return methods
 
 

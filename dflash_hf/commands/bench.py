@@ -70,6 +70,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--no-adaptive", action="store_true", help="Leave out the adaptive block size.")
     parser.add_argument(
+        "--no-draft-tree", action="store_true", help='Leave out the draft-tree rows (candidates="tree").'
+    )
+    parser.add_argument(
         "--no-lookup-branch",
         action="store_true",
         help="Leave out dflash-hf with a prompt-lookup branch in every verify (candidates='dflash+lookup').",
@@ -194,6 +197,7 @@ def _command_line(args: argparse.Namespace, threads: int | None) -> str:
         for flag, on in (
             ("--no-adaptive", args.no_adaptive),
             ("--no-lookup-branch", args.no_lookup_branch),
+            ("--no-draft-tree", args.no_draft_tree),
             ("--no-chat-template", args.no_chat_template),
         )
         if on
@@ -264,7 +268,9 @@ def run(args: argparse.Namespace) -> int:
     threads = setup_cpu(args, device)
 
     max_block = int(DFlashConfig.from_pretrained(drafter_dir).block_size)  # no method verifies a larger block
-    widest = bench.widest_verify(args.block_sizes, max_block, not args.no_lookup_branch, args.lookup_tokens)
+    widest = bench.widest_verify(
+        args.block_sizes, max_block, not args.no_lookup_branch, args.lookup_tokens, not args.no_draft_tree
+    )
     target, tokenizer, drafter, precision = load_models(args.target, drafter_dir, device, args.dtype, max_block, widest)
     prompts, prompt_info = bench.load_bench_prompts(
         args.prompts,
@@ -283,6 +289,7 @@ def run(args: argparse.Namespace) -> int:
         adaptive=not args.no_adaptive,
         lookup_branch=not args.no_lookup_branch,
         lookup_tokens=args.lookup_tokens,
+        draft_tree=not args.no_draft_tree,
     )
     skipped = {name for name in args.skip.split(",") if name}
     unknown = skipped - {"prompt_lookup", "native_dflash", "greedy_engine_kernels"}
