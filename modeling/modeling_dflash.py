@@ -15,8 +15,8 @@ and project `last_hidden_state` with the target's LM head. An optional Markov he
 adds to each slot's logits a low-rank correction keyed on the token before the slot (`DFlashMarkovHead`).
 
 This file ships inside every Hub checkpoint as remote code: it imports only torch, transformers and
-`configuration_dflash` (relatively). It is one file on purpose, as Transformers' own modeling files are: a Hub
-checkpoint's reader sees the whole model in one place, which is why it runs past the project's ~400-line module size.
+`configuration_dflash` (relatively); `spec_generate` alone calls into the dflash-hf package, when called. It is one
+file, as Transformers' own modeling files are: a Hub checkpoint's reader sees the whole model in one place.
 """
 
 from __future__ import annotations
@@ -621,6 +621,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
 
     def spec_generate(self, target: PreTrainedModel, input_ids: torch.LongTensor, **kwargs):
         """Speculative generation with this drafter and `target`; see `dflash_hf.generate` (needs `dflash_hf`)."""
+        # a method for the package's users, imported at call time: loading a checkpoint needs only torch + transformers
         try:
             from dflash_hf import generate as dflash_generate
         except ImportError as err:  # remote-code users without the package
