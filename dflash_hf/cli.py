@@ -1,30 +1,32 @@
 """`dflash-hf` command line: one sub-command per module in `dflash_hf.commands`.
 
 Every sub-command module exposes `register(subparsers)`, which adds its parser and sets `func` (a callable taking
-the parsed arguments and returning an exit code). Bad input (a `ValueError`, or an `OSError` for a missing or
-unreadable file) ends with one `error: ...` line and exit code 2.
+the parsed arguments and returning an exit code); what only a run needs is imported inside it. Bad input (a
+`ValueError`, or an `OSError` for a missing or unreadable file) ends with one `error: ...` line and exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
+from collections.abc import Callable
 
 from dflash_hf_launcher import interrupted
 
-# sub-command name -> module implementing it
-COMMAND_MODULES: dict[str, str] = {
-    "make-data": "dflash_hf.commands.make_data",
-    "cache-features": "dflash_hf.commands.cache_features",
-    "train": "dflash_hf.commands.train",
-    "generate": "dflash_hf.commands.generate",
-    "export": "dflash_hf.commands.export",
-    "push": "dflash_hf.commands.push",
-    "bench": "dflash_hf.commands.bench",
-    "profile": "dflash_hf.commands.profile",
-    "results-doc": "dflash_hf.commands.results_doc",
-}
+from .commands import bench, cache_features, export, generate, make_data, profile, push, results_doc, train
+
+# each sub-command's `register`, in the order `dflash-hf --help` lists them
+COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    make_data.register,
+    cache_features.register,
+    train.register,
+    generate.register,
+    export.register,
+    push.register,
+    bench.register,
+    profile.register,
+    results_doc.register,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,8 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dflash-hf", description="DFlash block-diffusion speculative decoding for Hugging Face Transformers."
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module_name in COMMAND_MODULES.values():
-        importlib.import_module(module_name).register(subparsers)
+    for register in COMMANDS:
+        register(subparsers)
     return parser
 
 
@@ -51,7 +53,7 @@ def _parse(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace
 
 def main(argv: list[str] | None = None) -> int:
     """Run `dflash-hf` with `argv`; returns the exit code (2 with one `error:` line on bad input, 130 with one line
-    on Ctrl-C, also while the sub-commands are being imported)."""
+    on Ctrl-C, also while the parser is built; Ctrl-C while the commands are imported is `dflash_hf_launcher`'s)."""
     try:
         parser, args = _parse(sys.argv[1:] if argv is None else list(argv))
     except KeyboardInterrupt:

@@ -169,6 +169,21 @@ def test_sampling_proposal_candidates_and_lookup_flags_reach_the_engine(folders,
     assert code == 0 and seen[-1] == (proposal, "dflash+lookup", 6)
 
 
+def test_the_cli_registers_every_command_module():
+    """`dflash_hf.cli.COMMANDS` holds the `register` of every module in `dflash_hf.commands`, in the help's order."""
+    import argparse
+    import pkgutil
+
+    from dflash_hf import commands
+
+    modules = {module.name for module in pkgutil.iter_modules(commands.__path__)}
+    assert sorted(register.__module__.rsplit(".", 1)[-1] for register in cli.COMMANDS) == sorted(modules)
+    subparsers = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(subparsers.choices) == [
+        "make-data", "cache-features", "train", "generate", "export", "push", "bench", "profile", "results-doc",
+    ]  # fmt: skip
+
+
 def test_defaults_use_named_target_and_bundled_drafter(monkeypatch, tmp_path, capsys):
     parser = cli.build_parser()
     args = parser.parse_args(["generate", "hello"])
