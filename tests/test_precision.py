@@ -26,6 +26,7 @@ from dflash_hf.commands import bench as bench_command
 from dflash_hf.commands import generate as generate_command
 from dflash_hf.commands import load_models
 from dflash_hf.engine import row_exact
+from dflash_hf.engine.draft_tree import DEFAULT_TREE_NODES
 from dflash_hf.mkl_choice import measure as real_measure  # before the autouse stand-in replaces it
 from dflash_hf.runtime import native_bf16_feature as real_native_bf16_feature  # the real one, too
 
@@ -368,9 +369,11 @@ def test_auto_measures_the_cycle_each_command_runs(monkeypatch, folders, tmp_pat
         ("generate", "--candidates", "dflash"): (4, 4),
         ("generate", "--temperature", "0.7"): (4, 4),  # sampling verifies the block alone
         ("generate", "--block-size", "3"): (3, 10),
-        ("bench", "--block-sizes", "2,4"): (4, 9),  # the lookup rows take the smallest block
-        ("bench", "--block-sizes", "2,4", "--lookup-tokens", "9"): (4, 11),
-        ("bench", "--block-sizes", "2,4", "--no-lookup-branch"): (4, 4),
+        ("generate", "--candidates", "tree"): (4, 4 + DEFAULT_TREE_NODES),  # the largest draft tree
+        ("bench", "--block-sizes", "2,4", "--no-draft-tree"): (4, 9),  # the lookup rows take the smallest block
+        ("bench", "--block-sizes", "2,4", "--lookup-tokens", "9", "--no-draft-tree"): (4, 11),
+        ("bench", "--block-sizes", "2,4", "--no-lookup-branch", "--no-draft-tree"): (4, 4),
+        ("bench", "--block-sizes", "2,4"): (4, 4 + DEFAULT_TREE_NODES),  # the tree rows' largest tree at B=4
     }
     for argv, expected in runs.items():
         command, *flags = argv
