@@ -5,7 +5,7 @@ this machine: one plain, one with the drafter (`-md drafter.gguf --spec-type dra
 this script sends the same chat-templated text to both at temperature 0 and checks
 
 (a) every completion of the speculative server equals the plain server's, through `/completion` and
-(c) through the OpenAI-style `/v1/completions` endpoint too;
+(c) the same holds through the OpenAI-style `/v1/completions` endpoint of both servers;
 (b) llama.cpp's acceptance (accepted drafts per drafted token, from the server's `timings`) next to dflash-hf's own
     engine with the same drafter and block size on the float32 target. The two targets differ (llama.cpp runs the
     quantized GGUF), so their greedy continuations part after a while and acceptance is compared as a rate, not token
@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             text = tokenizer.decode(prompt.input_ids)
             plain = complete(args.plain, text, args.max_tokens)
             spec = complete(args.speculative, text, args.max_tokens)
-            openai_same = complete_openai(args.speculative, text, args.max_tokens) == plain["content"]
+            openai = complete_openai(args.plain, text, args.max_tokens)
+            openai_same = complete_openai(args.speculative, text, args.max_tokens) == openai
             same = spec["content"] == plain["content"]
             differ += (not same) + (not openai_same)
             timings = spec.get("timings", {})
