@@ -523,7 +523,7 @@ def test_cli_mismatch_exit_status(folders, tmp_path, capsys, monkeypatch):
         (["--min-prompt-tokens", "600", "--max-prompt-tokens", "512"], "--min-prompt-tokens 600 exceeds"),
         (["--temperatures", "0.7", "--sampling-block-size", "9"], "sampling block size must be in [2, 4]"),
         (["--llama-cpp", "no-such-bin"], "--llama-cpp no-such-bin holds no llama-server"),
-        (["--llama-cpp", ".", "--llama-cpp-draft-tokens", "0"], "holds no llama-server"),
+        (["--llama-cpp-p-min", "1"], "--llama-cpp-p-min must lie in [0, 1), got 1.0"),
     ],
 )
 def test_cli_bad_input(folders, tmp_path, capsys, extra, message):

@@ -1,10 +1,13 @@
-"""llama.cpp next to dflash-hf in the bench: plain `llama-server` and `llama-server` with a DFlash drafter.
+"""llama.cpp next to dflash-hf in the bench: plain `llama-server` and `llama-server`s that speculate.
 
-A CPU user serves with llama.cpp, so the bench can add its two rows to a report: the target's GGUF decoded greedily
-by a plain server, and by a server drafting with the drafter exported as GGUF (`--spec-type draft-dflash`). Both get
-the same chat-templated text of every bench prompt at temperature 0 through `/completion`; a row records tokens/s
-(llama.cpp's own decode timing), llama.cpp's acceptance (accepted per drafted token), and whether every completion
-equals the plain server's. The servers run on this machine (loopback only) and are stopped afterwards.
+A CPU user serves with llama.cpp, so the bench can add llama.cpp's rows to a report: the target's GGUF decoded
+greedily by a plain server, and by one server per speculative setup (the drafter exported as GGUF,
+`--spec-type draft-dflash`, at each draft length asked for; optionally llama.cpp's own n-gram lookup alone and in
+front of the drafter). Every server gets the same chat-templated text of every bench prompt at temperature 0 through
+`/completion`; a row records tokens/s (llama.cpp's own decode timing), llama.cpp's acceptance (accepted per drafted
+token), and how many completions equal the plain server's. With `llama-bench` beside `llama-server`, the target's
+cost model comes too: a plain step and a forward over k tokens in plain steps. The servers run on this machine
+(loopback only), one at a time, and are stopped afterwards.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class LlamaCppRow:
     accepted: int
     acceptance: float | None  # accepted per drafted token
     identical_to_plain: bool | None  # the plain row: None
+    completions_identical: int | None  # how many completions equal the plain server's (the plain row: None)
     speedup_vs_plain: float | None
 
 
@@ -122,49 +126,123 @@ def _serve_all(url: str, texts: list[str], max_tokens: int) -> tuple[list[dict[s
     return replies, seconds, tokens, drafted, accepted
 
 
+@dataclass(frozen=True)
+class SpeculativeSetup:
+    """One speculative `llama-server`: its row label and the flags it adds to the plain server's."""
+
+    label: str
+    flags: tuple[str, ...]
+
+
+def dflash_setup(drafter_gguf: str | Path, draft_tokens: int, threads: int, p_min: float = 0.0) -> SpeculativeSetup:
+    """llama.cpp drafting up to `draft_tokens` tokens per step with the DFlash drafter `drafter_gguf`; with `p_min`,
+    the draft stops at the first token the drafter gives less probability (`--spec-draft-p-min`)."""
+    flags = ["-md", str(drafter_gguf), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(draft_tokens)]
+    flags += ["-td", str(threads)]
+    label = f"llama.cpp + DFlash drafter (n_max {draft_tokens}"
+    if p_min > 0:
+        flags += ["--spec-draft-p-min", f"{p_min:g}"]
+        label += f", p_min {p_min:g}"
+    return SpeculativeSetup(label + ")", tuple(flags))
+
+
+def ngram_setup(draft_tokens: int, key_tokens: int = 3, drafter: SpeculativeSetup | None = None) -> SpeculativeSetup:
+    """llama.cpp's own draftless speculation (`ngram-simple`: the `draft_tokens` tokens that followed the last
+    occurrence of the last `key_tokens` tokens), alone or, given a DFlash `drafter` setup, in front of it (llama.cpp
+    takes the n-gram draft where one is found and the drafter's elsewhere)."""
+    ngram = ["--spec-ngram-simple-size-n", str(key_tokens), "--spec-ngram-simple-size-m", str(draft_tokens)]
+    if drafter is None:
+        flags = ["--spec-type", "ngram-simple", "--spec-draft-n-max", str(draft_tokens), *ngram]
+        return SpeculativeSetup(f"llama.cpp n-gram lookup (ngram-simple, n_max {draft_tokens})", tuple(flags))
+    flags = list(drafter.flags)
+    flags[flags.index("--spec-type") + 1] = "draft-dflash,ngram-simple"
+    label = drafter.label.replace("llama.cpp + DFlash drafter", "llama.cpp + n-gram lookup + DFlash drafter")
+    return SpeculativeSetup(label, tuple(flags + ngram))
+
+
 def run_llama_cpp(
     binary_dir: str | Path,
     target_gguf: str | Path,
-    drafter_gguf: str | Path,
+    setups: Sequence[SpeculativeSetup],
     prompts: Sequence[BenchPrompt],
     tokenizer: PreTrainedTokenizerBase,
     max_new_tokens: int,
-    draft_tokens: int,
     threads: int,
     log_dir: Path | None = None,
 ) -> list[LlamaCppRow]:
-    """Greedy decoding of every prompt by plain llama.cpp and by llama.cpp drafting `draft_tokens` tokens per step
-    with the DFlash drafter `drafter_gguf`; returns the plain row, then the speculative one."""
+    """Greedy decoding of every prompt by plain llama.cpp and by one `llama-server` per speculative setup, one server
+    at a time; returns the plain row, then one row per setup."""
     texts = [tokenizer.decode(p.input_ids) for p in prompts]
-    logs = (log_dir / "llama-server-plain.log", log_dir / "llama-server-dflash.log") if log_dir else (None, None)
-    with server(Path(binary_dir), Path(target_gguf), threads, log=logs[0]) as url:
-        complete(url, texts[0], min(8, max_new_tokens))  # warm-up, untimed
-        plain, plain_s, plain_tokens, _, _ = _serve_all(url, texts, max_new_tokens)
-    speculative_flags = [
-        "-md", str(drafter_gguf), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(draft_tokens),
-        "-td", str(threads),
-    ]  # fmt: skip
-    with server(Path(binary_dir), Path(target_gguf), threads, speculative_flags, log=logs[1]) as url:
-        complete(url, texts[0], min(8, max_new_tokens))
-        spec, spec_s, spec_tokens, drafted, accepted = _serve_all(url, texts, max_new_tokens)
-    plain_rate = plain_tokens / plain_s if plain_s > 0 else None
-    spec_rate = spec_tokens / spec_s if spec_s > 0 else None
-    return [
-        LlamaCppRow("llama.cpp plain greedy", plain_tokens, plain_s, plain_rate, 0, 0, None, None, 1.0),
-        LlamaCppRow(
-            f"llama.cpp + DFlash drafter (n_max {draft_tokens})",
-            spec_tokens,
-            spec_s,
-            spec_rate,
-            drafted,
-            accepted,
-            accepted / drafted if drafted else None,
-            all(s["content"] == p["content"] for s, p in zip(spec, plain)),
-            spec_rate / plain_rate if spec_rate and plain_rate else None,
-        ),
-    ]
+    rows: list[LlamaCppRow] = []
+    plain: list[dict[str, Any]] = []
+    plain_rate: float | None = None
+    for index, setup in enumerate([None, *setups]):
+        log = log_dir / f"llama-server-{index}.log" if log_dir else None
+        flags = () if setup is None else setup.flags
+        with server(Path(binary_dir), Path(target_gguf), threads, flags, log=log) as url:
+            complete(url, texts[0], min(8, max_new_tokens))  # warm-up, untimed
+            replies, seconds, tokens, drafted, accepted = _serve_all(url, texts, max_new_tokens)
+        rate = tokens / seconds if seconds > 0 else None
+        if setup is None:
+            plain, plain_rate = replies, rate
+            rows.append(LlamaCppRow("llama.cpp plain greedy", tokens, seconds, rate, 0, 0, None, None, None, 1.0))
+            continue
+        rows.append(
+            LlamaCppRow(
+                setup.label,
+                tokens,
+                seconds,
+                rate,
+                drafted,
+                accepted,
+                accepted / drafted if drafted else None,
+                all(s["content"] == p["content"] for s, p in zip(replies, plain)),
+                sum(s["content"] == p["content"] for s, p in zip(replies, plain)),
+                rate / plain_rate if rate and plain_rate else None,
+            )
+        )
+    return rows
 
 
-def rows_to_json(rows: Sequence[LlamaCppRow], settings: dict[str, Any]) -> dict[str, Any]:
-    """The `llama_cpp` part of `bench.json`."""
-    return {"settings": settings, "rows": [asdict(row) for row in rows]}
+def requantize(binary_dir: str | Path, gguf: str | Path, weight_type: str, out: str | Path) -> Path:
+    """The target's GGUF with its weights in `weight_type` (`F16`, `Q8_0`, ...), written by llama.cpp's
+    `llama-quantize --allow-requantize` (a `ValueError` with its last output line when it fails)."""
+    binary = Path(binary_dir) / "llama-quantize"
+    if not binary.is_file():
+        raise ValueError(f"No llama-quantize in {binary_dir}: build llama.cpp's llama-quantize target to requantize.")
+    done = subprocess.run(
+        [str(binary), "--allow-requantize", str(gguf), str(out), weight_type.upper()], capture_output=True, text=True
+    )
+    if done.returncode != 0 or not Path(out).is_file():
+        last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise ValueError(f"llama-quantize could not write a {weight_type} GGUF: {last[0]}")
+    return Path(out)
+
+
+def forward_costs(
+    binary_dir: str | Path, target_gguf: str | Path, threads: int, depth: int, rows: Sequence[int]
+) -> dict[str, Any] | None:
+    """llama.cpp's cost model for the target: a plain decoding step (ms, `llama-bench -n`) and a forward over `k`
+    new tokens at `depth` cached ones (`llama-bench -p k -d depth`) in plain steps, the price of verifying `k - 1`
+    drafted tokens (a lower bound: llama-bench computes the LM head for the last row only, a verify for every
+    row). `None` without a `llama-bench` in `binary_dir`."""
+    binary = Path(binary_dir) / "llama-bench"
+    if not binary.is_file():
+        return None
+    ks = ",".join(str(k) for k in sorted(set(rows)))
+    command = [str(binary), "-m", str(target_gguf), "-t", str(threads), "-p", ks, "-n", "32", "-d", str(depth)]
+    done = subprocess.run([*command, "-r", "3", "-o", "json"], capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise ValueError(f"llama-bench failed on {Path(target_gguf).name}: {last[0]}")
+    results = json.loads(done.stdout)
+    step_ms = next(1000.0 / r["avg_ts"] for r in results if r["n_gen"] > 0)
+    steps = {str(r["n_prompt"]): r["n_prompt"] * 1000.0 / r["avg_ts"] / step_ms for r in results if r["n_prompt"] > 0}
+    return {"depth": depth, "step_ms": step_ms, "forward_steps": steps}
+
+
+def rows_to_json(
+    rows: Sequence[LlamaCppRow], settings: dict[str, Any], costs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The `llama_cpp` part of `bench.json`: settings, rows and the target's forward costs."""
+    return {"settings": settings, "rows": [asdict(row) for row in rows], "costs": costs}

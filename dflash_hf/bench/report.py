@@ -115,8 +115,8 @@ def benchmark_table(result: BenchResult | dict[str, Any] | str | os.PathLike) ->
 
 
 def llama_cpp_table(result: BenchResult | dict[str, Any] | str | os.PathLike) -> str | None:
-    """llama.cpp's rows (plain `llama-server` and with the DFlash drafter) as a Markdown table; `None` when the run
-    had none."""
+    """llama.cpp's rows (plain `llama-server` and each speculative one) as a Markdown table, with the target's forward
+    costs below it when they were measured; `None` when the run had none."""
     part = as_document(result).get("llama_cpp")
     if not part:
         return None
@@ -129,12 +129,31 @@ def llama_cpp_table(result: BenchResult | dict[str, Any] | str | os.PathLike) ->
         "|---|---:|---:|---:|---|",
     ]
     for row in part["rows"]:
-        identical = "-" if row["identical_to_plain"] is None else ("yes" if row["identical_to_plain"] else "**NO**")
         lines.append(
             f"| {row['label']} | {_fmt(row['tokens_per_s'])} | {_fmt(row['speedup_vs_plain'], suffix='x')} "
-            f"| {_fmt(row['acceptance'], 3, empty='-')} | {identical} |"
+            f"| {_fmt(row['acceptance'], 3, empty='-')} | {_identical(row)} |"
         )
+    costs = part.get("costs")
+    if costs:
+        steps = ", ".join(
+            f"{k} tokens {v:.2f}" for k, v in sorted(costs["forward_steps"].items(), key=lambda kv: int(kv[0]))
+        )
+        lines += [
+            "",
+            f"Target forward costs (llama-bench, {costs['depth']} cached tokens): a plain step {costs['step_ms']:.1f} ms; "
+            f"a forward over k new tokens in plain steps: {steps}. A verify of n_max drafted tokens is a forward over "
+            "n_max + 1 tokens: each verify costs at least that many plain steps, before the draft's own time.",
+        ]
     return "\n".join(lines) + "\n"
+
+
+def _identical(row: dict[str, Any]) -> str:
+    if row["identical_to_plain"] is None:
+        return "-"
+    if row["identical_to_plain"]:
+        return "yes"
+    same = row.get("completions_identical")
+    return "**NO**" if same is None else f"**NO** ({same} of the completions)"
 
 
 def render_markdown(

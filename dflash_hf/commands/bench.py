@@ -121,8 +121,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=Path,
         default=None,
         metavar="BIN_DIR",
-        help="Also run llama.cpp (its build/bin folder with llama-server): plain greedy and with the drafter exported "
-        "as GGUF (--spec-type draft-dflash), on the same prompts; rows in the report and bench.json.",
+        help="Also run llama.cpp (its build/bin folder with llama-server; llama-bench and llama-quantize used when "
+        "there): plain greedy and with the drafter exported as GGUF (--spec-type draft-dflash), on the same prompts, "
+        "and the target's forward costs in plain steps; rows in the report and bench.json.",
     )
     parser.add_argument(
         "--llama-cpp-target",
@@ -130,10 +131,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="The target's GGUF for llama.cpp (default: the named target's packaged GGUF).",
     )
     parser.add_argument(
-        "--llama-cpp-draft-tokens",
-        type=int,
+        "--llama-cpp-requantize",
         default=None,
-        help="llama.cpp's --spec-draft-n-max (default: the drafter's block size - 1).",
+        metavar="TYPE",
+        help="Serve the target's GGUF requantized to TYPE by llama-quantize (e.g. F16, Q8_0, Q4_0; default: as it is).",
+    )
+    parser.add_argument(
+        "--llama-cpp-draft-tokens",
+        type=comma_separated_ints,
+        default=None,
+        help="llama.cpp's --spec-draft-n-max, one DFlash row per value, e.g. 1,3,7 (default: the drafter's block "
+        "size - 1).",
+    )
+    parser.add_argument(
+        "--llama-cpp-p-min",
+        type=float,
+        default=0.0,
+        help="llama.cpp's --spec-draft-p-min: a draft stops at the first token the drafter gives less probability "
+        "(default: 0, every drafted token).",
+    )
+    parser.add_argument(
+        "--llama-cpp-ngram",
+        action="store_true",
+        help="Also run llama.cpp's own n-gram lookup (ngram-simple) alone and in front of the DFlash drafter.",
     )
     parser.add_argument(
         "--llama-cpp-gguf-type",
@@ -183,8 +203,14 @@ def _command_line(args: argparse.Namespace, threads: int | None) -> str:
         argv += ["--llama-cpp", str(args.llama_cpp), "--llama-cpp-gguf-type", args.llama_cpp_gguf_type]
         if args.llama_cpp_target is not None:
             argv += ["--llama-cpp-target", str(args.llama_cpp_target)]
+        if args.llama_cpp_requantize is not None:
+            argv += ["--llama-cpp-requantize", str(args.llama_cpp_requantize)]
         if args.llama_cpp_draft_tokens is not None:
-            argv += ["--llama-cpp-draft-tokens", str(args.llama_cpp_draft_tokens)]
+            argv += ["--llama-cpp-draft-tokens", ",".join(map(str, args.llama_cpp_draft_tokens))]
+        if args.llama_cpp_p_min > 0:
+            argv += ["--llama-cpp-p-min", f"{args.llama_cpp_p_min:g}"]
+        if args.llama_cpp_ngram:
+            argv += ["--llama-cpp-ngram"]
     if threads is not None:
         argv += ["--threads", str(threads), "--mkl-mode", str(args.mkl_mode)]
     if args.lookup_tokens:
@@ -227,34 +253,50 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--out {args.out} exists and is not a folder: pass a folder path.")
     if args.llama_cpp is not None and not (args.llama_cpp / "llama-server").is_file():
         raise ValueError(f"--llama-cpp {args.llama_cpp} holds no llama-server: pass llama.cpp's build/bin folder.")
-    if args.llama_cpp_draft_tokens is not None and args.llama_cpp_draft_tokens < 1:
-        raise ValueError(f"--llama-cpp-draft-tokens must be >= 1, got {args.llama_cpp_draft_tokens}.")
+    if not 0.0 <= args.llama_cpp_p_min < 1.0:
+        raise ValueError(f"--llama-cpp-p-min must lie in [0, 1), got {args.llama_cpp_p_min}.")
 
 
 def _llama_cpp(args: argparse.Namespace, drafter, prompts, tokenizer, threads: int) -> dict:
-    """llama.cpp's plain and DFlash rows on the bench prompts (the drafter exported as GGUF into a temporary folder)."""
+    """llama.cpp's rows on the bench prompts (the drafter exported as GGUF into a temporary folder, against the GGUF
+    llama.cpp serves) and the target's forward costs."""
     import tempfile
 
-    from ..bench.llama_cpp import rows_to_json, run_llama_cpp
+    from ..bench import llama_cpp
     from ..hub.gguf import target_gguf_file, write_gguf
 
     target = args.llama_cpp_target or args.target
-    draft_tokens = args.llama_cpp_draft_tokens or int(drafter.config.block_size) - 1
+    draft_tokens = args.llama_cpp_draft_tokens or [int(drafter.config.block_size) - 1]
     with tempfile.TemporaryDirectory(prefix="dflash-hf-llama-cpp-") as scratch, target_gguf_file(target) as gguf:
+        served = Path(gguf)
+        if args.llama_cpp_requantize:
+            served = llama_cpp.requantize(
+                args.llama_cpp,
+                gguf,
+                args.llama_cpp_requantize,
+                Path(scratch) / f"target-{args.llama_cpp_requantize}.gguf",
+            )
         drafter_gguf = write_gguf(
-            drafter, Path(scratch) / "drafter.gguf", target=target, gguf_type=args.llama_cpp_gguf_type
+            drafter, Path(scratch) / "drafter.gguf", target=served, gguf_type=args.llama_cpp_gguf_type
         )
-        rows = run_llama_cpp(
-            args.llama_cpp, gguf, drafter_gguf, prompts, tokenizer, args.max_new_tokens, draft_tokens, threads
-        )
+        dflash = [llama_cpp.dflash_setup(drafter_gguf, n, threads, args.llama_cpp_p_min) for n in draft_tokens]
+        setups = list(dflash)
+        if args.llama_cpp_ngram:
+            setups += [llama_cpp.ngram_setup(max(draft_tokens))]
+            setups += [llama_cpp.ngram_setup(n, drafter=setup) for n, setup in zip(draft_tokens, dflash)]
+        rows = llama_cpp.run_llama_cpp(args.llama_cpp, served, setups, prompts, tokenizer, args.max_new_tokens, threads)
+        depth = round(sum(len(p.input_ids) for p in prompts) / len(prompts) + args.max_new_tokens / 2)
+        costs = llama_cpp.forward_costs(args.llama_cpp, served, threads, depth, [1, 2, *(n + 1 for n in draft_tokens)])
     settings = {
         "binary_dir": str(args.llama_cpp),
-        "target_gguf": Path(gguf).name,
+        "target_gguf": Path(gguf).name
+        + (f" requantized to {args.llama_cpp_requantize}" if args.llama_cpp_requantize else ""),
         "gguf_type": args.llama_cpp_gguf_type,
         "draft_tokens": draft_tokens,
+        "p_min": args.llama_cpp_p_min,
         "threads": threads,
     }
-    return rows_to_json(rows, settings)
+    return llama_cpp.rows_to_json(rows, settings, costs)
 
 
 def run(args: argparse.Namespace) -> int:
