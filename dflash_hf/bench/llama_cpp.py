@@ -187,6 +187,7 @@ def run_llama_cpp(
             plain, plain_rate = replies, rate
             rows.append(LlamaCppRow("llama.cpp plain greedy", tokens, seconds, rate, 0, 0, None, None, None, 1.0))
             continue
+        same = sum(s["content"] == p["content"] for s, p in zip(replies, plain))
         rows.append(
             LlamaCppRow(
                 setup.label,
@@ -196,12 +197,18 @@ def run_llama_cpp(
                 drafted,
                 accepted,
                 accepted / drafted if drafted else None,
-                all(s["content"] == p["content"] for s, p in zip(replies, plain)),
-                sum(s["content"] == p["content"] for s, p in zip(replies, plain)),
+                same == len(plain),
+                same,
                 rate / plain_rate if rate and plain_rate else None,
             )
         )
     return rows
+
+
+def _last_line(done: subprocess.CompletedProcess) -> str:
+    """The last line a llama.cpp tool printed (its error message when it failed)."""
+    lines = (done.stderr or done.stdout).strip().splitlines()
+    return lines[-1] if lines else "no output"
 
 
 def requantize(binary_dir: str | Path, gguf: str | Path, weight_type: str, out: str | Path) -> Path:
@@ -210,12 +217,10 @@ def requantize(binary_dir: str | Path, gguf: str | Path, weight_type: str, out: 
     binary = Path(binary_dir) / "llama-quantize"
     if not binary.is_file():
         raise ValueError(f"No llama-quantize in {binary_dir}: build llama.cpp's llama-quantize target to requantize.")
-    done = subprocess.run(
-        [str(binary), "--allow-requantize", str(gguf), str(out), weight_type.upper()], capture_output=True, text=True
-    )
+    command = [str(binary), "--allow-requantize", str(gguf), str(out), weight_type.upper()]
+    done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0 or not Path(out).is_file():
-        last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise ValueError(f"llama-quantize could not write a {weight_type} GGUF: {last[0]}")
+        raise ValueError(f"llama-quantize could not write a {weight_type} GGUF: {_last_line(done)}")
     return Path(out)
 
 
@@ -233,8 +238,7 @@ def forward_costs(
     command = [str(binary), "-m", str(target_gguf), "-t", str(threads), "-p", ks, "-n", "32", "-d", str(depth)]
     done = subprocess.run([*command, "-r", "3", "-o", "json"], capture_output=True, text=True)
     if done.returncode != 0:
-        last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise ValueError(f"llama-bench failed on {Path(target_gguf).name}: {last[0]}")
+        raise ValueError(f"llama-bench failed on {Path(target_gguf).name}: {_last_line(done)}")
     results = json.loads(done.stdout)
     step_ms = next(1000.0 / r["avg_ts"] for r in results if r["n_gen"] > 0)
     steps = {str(r["n_prompt"]): r["n_prompt"] * 1000.0 / r["avg_ts"] / step_ms for r in results if r["n_prompt"] > 0}

@@ -116,6 +116,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--allow-mismatch", action="store_true", help="Exit with status 0 even if an output differs from greedy."
     )
     parser.add_argument("--no-progress", action="store_true", help="Hide the progress bars.")
+    _add_llama_cpp_arguments(parser)
+    parser.add_argument(
+        "--readme-section",
+        type=Path,
+        default=None,
+        metavar="BENCH_JSON",
+        help="Print the README results section of an earlier run's bench.json and exit (runs nothing).",
+    )
+    parser.add_argument(
+        "--plots-prefix",
+        default=None,
+        help="With --readme-section: path of the plot folder as seen from the README (default: the JSON's folder).",
+    )
+    parser.set_defaults(func=run)
+
+
+def _add_llama_cpp_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `--llama-cpp*` flags: llama.cpp's rows beside the engine's."""
     parser.add_argument(
         "--llama-cpp",
         type=Path,
@@ -160,19 +178,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="f32",
         help="Weight type of the drafter's GGUF for llama.cpp: f32 (default), f16, bf16 or q8_0.",
     )
-    parser.add_argument(
-        "--readme-section",
-        type=Path,
-        default=None,
-        metavar="BENCH_JSON",
-        help="Print the README results section of an earlier run's bench.json and exit (runs nothing).",
-    )
-    parser.add_argument(
-        "--plots-prefix",
-        default=None,
-        help="With --readme-section: path of the plot folder as seen from the README (default: the JSON's folder).",
-    )
-    parser.set_defaults(func=run)
 
 
 def _command_line(args: argparse.Namespace, threads: int | None) -> str:
