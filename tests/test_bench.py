@@ -90,6 +90,55 @@ def test_native_path_lengths_match_our_engine(result):
     assert 2 <= adaptive.mean_block_size <= 8 and len(adaptive.acceptance_rate_by_slot) == 7
 
 
+def test_verify_widths_are_recorded_per_cycle(result):
+    """Our engine reports the tokens each verify checked: the block, or more with a lookup branch or a draft tree;
+    the table shows their mean and the acceptance of slots 1-3."""
+    for name, records in result.results.items():
+        for record in records:
+            if not name.startswith("dflash_"):
+                assert record.verify_widths is None, name
+                continue
+            assert len(record.verify_widths) == record.cycles
+            if "lookup" in name or "tree" in name:
+                assert all(w >= k for w, k in zip(record.verify_widths, record.block_sizes)), name
+            else:
+                assert record.verify_widths == record.block_sizes, name
+    b8 = _method(result, "dflash_b8").summary
+    assert b8.mean_verify_width == b8.mean_block_size  # blocks alone (the last ones capped by max_new_tokens)
+    assert _method(result, "greedy").summary.mean_verify_width is None
+    table = bench.markdown_table(result)
+    assert "| Method | mean block | verify width | slots 1/2/3 accepted | tau |" in table
+    rates = _method(result, "dflash_b4").summary.acceptance_rate_by_slot
+    b4 = _method(result, "dflash_b4").summary
+    cells = f"{b4.mean_block_size:.1f} | {b4.mean_verify_width:.1f} | {' / '.join(f'{100 * r:.0f}' for r in rates)} %"
+    assert f"| dflash-hf B=4 | {cells} |" in table
+    assert "| plain greedy | - | - | - |" in table
+    old = result.to_json()  # a run that recorded no verify widths renders without those columns
+    for method in old["methods"]:
+        method["summary"].pop("mean_verify_width")
+    assert "verify width" not in bench.markdown_table(old)
+
+
+def test_further_drafters_run_side_by_side(setup):
+    """`drafter_methods`: a second drafter's engine rows, tagged, compared with the same plain greedy; a drafter that
+    proposes other tokens is still exact and accepts less than the oracle."""
+    target, oracle, prompts = setup
+    torch.manual_seed(0)
+    other = DFlashDraftModel(oracle.config).eval()
+    methods = bench.default_methods(target, oracle, block_sizes=[4], adaptive=False, draft_tree=False)
+    tagged = bench.drafter_methods(target, other, "random", block_sizes=[4, 16], adaptive=False)
+    assert [m.name for m in tagged] == ["dflash_b4@random", "dflash_b4_lookup@random", "dflash_b4_tree@random"]
+    assert [m.label for m in tagged][0] == "dflash-hf B=4 [random]" and {m.baseline for m in tagged} == {None}
+    result = bench.run_bench(
+        target, oracle, prompts, max_new_tokens=MAX_NEW, methods=methods + tagged, warmup_tokens=0, progress=False,
+        profile_costs=False,
+    )  # fmt: skip
+    assert result.exact
+    assert _method(result, "dflash_b4@random").summary.tau < _method(result, "dflash_b4").summary.tau
+    with pytest.raises(ValueError, match="None of the block sizes"):
+        bench.drafter_methods(target, other, "random", block_sizes=[16])
+
+
 def test_tampered_output_is_reported(setup, capsys):
     target, drafter, prompts = setup
     methods = bench.default_methods(target, drafter, block_sizes=[4], adaptive=False)
@@ -206,6 +255,7 @@ def test_outputs_json_schema_plots_and_readme_section(result, tmp_path):
         "mismatched_prompts",
         "accepted_length_histogram",
         "mean_block_size",
+        "mean_verify_width",
         "acceptance_rate_by_slot",
         "cycles",
     }
@@ -224,13 +274,14 @@ def test_outputs_json_schema_plots_and_readme_section(result, tmp_path):
         "draft_s",
         "verify_s",
         "prefill_s",
+        "verify_widths",
     }
     for method in document["methods"]:
         assert summary_keys <= set(method["summary"])
         assert all(record_keys <= set(r) for r in document["results"][method["name"]])
 
     table = bench.markdown_table(paths["json"])
-    assert table.splitlines()[0].startswith("| Method | mean block | tau | tokens/s | speedup |")
+    assert table.splitlines()[0].startswith("| Method | mean block | verify width | slots 1/2/3 accepted | tau |")
     assert len(table.splitlines()) == 2 + len(document["methods"])
     section = bench.render_markdown(paths["json"], plots_prefix="docs/bench")
     assert section.startswith("## Results\n") and table in section
@@ -467,7 +518,7 @@ def test_cli_end_to_end(folders, tmp_path, capsys):
     out = tmp_path / "results"
     assert cli.main(_bench_args(folders, out)) == 0
     stdout = capsys.readouterr().out
-    assert "| plain greedy | - | 1.00 |" in stdout and "| dflash-hf B=4 |" in stdout and "dflash-hf B=8" not in stdout
+    assert "| plain greedy | - | - | - | 1.00 |" in stdout and "| dflash-hf B=4 |" in stdout and "dflash-hf B=8" not in stdout
     document = json.loads((out / bench.JSON_NAME).read_text())
     assert document["exact"] and document["settings"]["threads"] == 1
     assert document["settings"]["prompt_set"]["used"] == 2
@@ -483,6 +534,19 @@ def test_cli_end_to_end(folders, tmp_path, capsys):
     document = json.loads((out / bench.JSON_NAME).read_text())
     assert document["settings"]["methods"][-3:] == ["sample_t0.7", "dflash_b4_t0.7_argmax", "dflash_b4_t0.7_sample"]
     assert "--temperatures 0.7 --sampling-block-size 4" in document["command"]
+
+
+def test_cli_compares_drafters_in_one_run(folders, tmp_path, capsys):
+    out = tmp_path / "results"
+    args = _bench_args(folders, out, "--compare-drafter", f"again={folders['drafter']}", "--no-draft-tree")
+    assert cli.main(args) == 0
+    stdout = capsys.readouterr().out
+    assert "| dflash-hf B=4 [again] |" in stdout
+    document = json.loads((out / bench.JSON_NAME).read_text())
+    assert document["settings"]["compared_drafters"] == {"again": str(folders["drafter"])}
+    assert f"--compare-drafter again={folders['drafter']}" in document["command"]
+    rows = {m["name"]: m["summary"] for m in document["methods"]}
+    assert rows["dflash_b4@again"]["tau"] == rows["dflash_b4"]["tau"]  # the same drafter accepts the same drafts
 
 
 def test_recorded_command_names_the_drafter_only_as_given():
@@ -524,6 +588,8 @@ def test_cli_mismatch_exit_status(folders, tmp_path, capsys, monkeypatch):
         (["--temperatures", "0.7", "--sampling-block-size", "9"], "sampling block size must be in [2, 4]"),
         (["--llama-cpp", "no-such-bin"], "--llama-cpp no-such-bin holds no llama-server"),
         (["--llama-cpp-p-min", "1"], "--llama-cpp-p-min must lie in [0, 1), got 1.0"),
+        (["--compare-drafter", "a=x", "--compare-drafter", "a=y"], "--compare-drafter names must differ"),
+        (["--compare-drafter", "a=no-such-folder"], "No DFlash drafter at no-such-folder"),
     ],
 )
 def test_cli_bad_input(folders, tmp_path, capsys, extra, message):

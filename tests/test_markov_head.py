@@ -364,6 +364,51 @@ def test_joint_training_trains_head_and_backbone(tiny_data, tmp_path):
     assert MARKOV_TENSORS <= changed and "fc.weight" in changed and "layers.0.mlp.up_proj.weight" in changed
 
 
+def inner_optimizer(trainer) -> torch.optim.Optimizer:
+    """The optimizer the trainer built, under accelerate's wrapper."""
+    return getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+
+
+def learning_rates(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, float]:
+    """Each named parameter's current learning rate (from its group)."""
+    return {names[id(p)]: group["lr"] for group in optimizer.param_groups for p in group["params"]}
+
+
+@pytest.mark.parametrize("muon", [False, True])
+def test_markov_learning_rate_drives_the_head_alone(tiny_data, tmp_path, muon):
+    """`markov_learning_rate`: the head's parameters learn at that rate, the backbone's at `learning_rate`, on one
+    schedule; with `muon` the head is on AdamW (an embedding table) and the backbone's matrices on Muon."""
+    trainer = markov_trainer(
+        tiny_data, tmp_path, muon=muon, max_steps=4, learning_rate=1e-3, markov_learning_rate=1e-2, warmup_steps=0
+    )
+    trainer.create_optimizer_and_scheduler(num_training_steps=4)
+    names = {id(p): name for name, p in trainer.model.named_parameters()}
+    rates = learning_rates(inner_optimizer(trainer), names)
+    assert set(rates) == set(names.values())  # every parameter once
+    assert {rates[name] for name in MARKOV_TENSORS} == {1e-2}
+    assert {rate for name, rate in rates.items() if name not in MARKOV_TENSORS} == {1e-3}
+    if muon:
+        muon_opt, adamw = inner_optimizer(trainer)._inner
+        on_muon = {names[id(p)] for group in muon_opt.param_groups for p in group["params"]}
+        assert not on_muon & MARKOV_TENSORS and "fc.weight" in on_muon
+        assert MARKOV_TENSORS <= {names[id(p)] for group in adamw.param_groups for p in group["params"]}
+    for _ in range(2):  # halfway through the cosine
+        trainer.lr_scheduler.step()
+    after = learning_rates(inner_optimizer(trainer), names)
+    head_rate, backbone_rate = after["markov_head.markov_w1.weight"], after["fc.weight"]
+    assert 0 < backbone_rate < 1e-3 and head_rate == pytest.approx(10 * backbone_rate)  # one cosine for both
+
+
+def test_a_frozen_backbone_with_muon_trains_the_head_with_adamw(tiny_data, tmp_path):
+    """Nothing is left for Muon when only the head trains: the head gets the Trainer's AdamW."""
+    trainer = markov_trainer(tiny_data, tmp_path, muon=True, freeze_backbone=True, max_steps=2)
+    trainer.train()
+    optimizer = inner_optimizer(trainer)
+    assert isinstance(optimizer, torch.optim.AdamW)
+    names = {id(p): name for name, p in trainer.model.named_parameters()}
+    assert set(learning_rates(optimizer, names)) == MARKOV_TENSORS
+
+
 def test_markov_loss_weight_mixes_backbone_and_corrected_losses(tiny_data, tmp_path):
     """`loss(w) = (1 - w) * loss(backbone logits) + w * loss(corrected logits)`; at w = 0 it is the loss of the same
     drafter without a head."""
@@ -397,6 +442,15 @@ def test_training_options_are_checked(tiny_data, tmp_path):
     with pytest.raises(ValueError, match="has none: add one with --markov_rank"):
         DFlashTrainer(
             args=tiny_train_config(tmp_path, freeze_backbone=True),
+            target=target,
+            train_dataset=data,
+            processing_class=tokenizer,
+        )
+    with pytest.raises(ValueError, match="markov_learning_rate must be > 0"):
+        tiny_train_config(tmp_path, markov_rank=4, markov_learning_rate=0.0)
+    with pytest.raises(ValueError, match="this drafter has none: add one with --markov_rank R or drop"):
+        DFlashTrainer(
+            args=tiny_train_config(tmp_path, markov_learning_rate=1e-3),
             target=target,
             train_dataset=data,
             processing_class=tokenizer,

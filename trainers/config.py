@@ -79,8 +79,12 @@ class DFlashTrainingConfig(TrainingArguments):
             the corrected logits.
         freeze_backbone (`bool`, defaults to `False`): Train the Markov head only; the drafter's backbone (`fc`,
             `hidden_norm`, layers, `norm`) stays as loaded. Needs a Markov head (`markov_rank`).
+        markov_learning_rate (`float`, *optional*): Peak learning rate of the Markov head (`markov_head.*`), on the
+            same schedule as `learning_rate`, which then drives the backbone only; defaults to `learning_rate`. A
+            joint run onto a trained drafter gives the new head (starting at zero) a higher rate than the backbone
+            keeps. The head is always optimised by AdamW, with `muon` too (`markov_w1` is an embedding table).
         muon (`bool`, defaults to `False`): Optimise the drafter's 2-D weight matrices with `torch.optim.Muon`
-            (learning rate matched to AdamW's update RMS) and the rest (norms) with AdamW.
+            (learning rate matched to AdamW's update RMS) and the rest (norms, a Markov head) with AdamW.
         max_train_samples (`int`, *optional*): Train on the first N rows of the training data only (ablations on a
             subset of a cached dataset); counted from `skip_train_samples`. Offline features need to cover only
             these rows, so a run can start while `cache-features` is still working through the rest.
@@ -154,6 +158,10 @@ class DFlashTrainingConfig(TrainingArguments):
     )
     freeze_backbone: bool = field(
         default=False, metadata={"help": "Train only the Markov head; the drafter's backbone stays as loaded."}
+    )
+    markov_learning_rate: float | None = field(
+        default=None,
+        metadata={"help": "Peak learning rate of the Markov head (default: learning_rate, which drives the rest)."},
     )
     muon: bool = field(default=False, metadata={"help": "torch.optim.Muon for 2-D weights, AdamW for the rest."})
     max_train_samples: int | None = field(
@@ -230,6 +238,10 @@ class DFlashTrainingConfig(TrainingArguments):
             raise ValueError(
                 "freeze_backbone trains only the Markov head, which markov_loss_weight=0 leaves out of the loss: "
                 "raise markov_loss_weight (1.0 trains the head on its corrected logits)."
+            )
+        if self.markov_learning_rate is not None and float(self.markov_learning_rate) <= 0:
+            raise ValueError(
+                f"markov_learning_rate must be > 0, got {self.markov_learning_rate}; omit it for learning_rate."
             )
         if self.max_train_samples is not None and int(self.max_train_samples) < 1:
             raise ValueError(f"max_train_samples must be >= 1, got {self.max_train_samples}.")

@@ -13,7 +13,7 @@ Newton-Schulz iteration runs in float32 instead (same iteration, same coefficien
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -61,11 +61,15 @@ class MuonWithAdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         newton_schulz_float32: bool = False,
+        adamw_groups: Sequence[dict[str, Any]] = (),
     ) -> None:
         """`newton_schulz_float32`: orthogonalise Muon's updates in float32 instead of torch's bfloat16 (see
-        `newton_schulz_float32_pays`)."""
+        `newton_schulz_float32_pays`). `adamw_groups`: further parameter groups (torch's `{"params": ..., "lr": ...}`
+        dicts) that AdamW optimises whatever their shape, such as embedding tables, which Muon is not meant for."""
         params = [p for p in params if p.requires_grad]
         self.newton_schulz_float32 = newton_schulz_float32
+        extra = [{**group, "params": [p for p in group["params"] if p.requires_grad]} for group in adamw_groups]
+        extra = [group for group in extra if group["params"]]
         matrices = [p for p in params if p.ndim == 2]
         others = [p for p in params if p.ndim != 2]
         if not matrices:
@@ -73,9 +77,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._inner: list[torch.optim.Optimizer] = [
             torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
         ]
-        if others:
-            self._inner.append(torch.optim.AdamW(others, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        super().__init__(params, {"lr": lr})
+        adamw = ([{"params": others}] if others else []) + extra
+        if adamw:
+            self._inner.append(torch.optim.AdamW(adamw, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        super().__init__(params + [p for group in extra for p in group["params"]], {"lr": lr})
         self.param_groups = [group for inner in self._inner for group in inner.param_groups]
 
     @property

@@ -149,6 +149,16 @@ def _freeze_backbone(model: DFlashDraftModel) -> None:
     model.markov_head.requires_grad_(True)
 
 
+def _move_to_own_group(optimizer: torch.optim.Optimizer, parameter_ids: set[int], lr: float) -> None:
+    """Before the first step: move the parameters `parameter_ids` names out of `optimizer`'s groups into groups of
+    their own (same settings otherwise) at learning rate `lr`."""
+    for group in list(optimizer.param_groups):
+        moved = [p for p in group["params"] if id(p) in parameter_ids]
+        if moved:
+            group["params"] = [p for p in group["params"] if id(p) not in parameter_ids]
+            optimizer.add_param_group({**group, "params": moved, "lr": lr})
+
+
 def _training_dataset(train_dataset, args: DFlashTrainingConfig, model: DFlashDraftModel):
     """The training rows as the trainer reads them: with cached features attached (offline), the first
     `skip_train_samples` left out and cut to `max_train_samples`."""
@@ -258,6 +268,11 @@ class DFlashTrainer(PickleFreeCheckpoints):
         self.markov_loss_weight = float(args.markov_loss_weight)
         if args.freeze_backbone:
             _freeze_backbone(model)
+        if args.markov_learning_rate is not None and not self.has_markov_head:
+            raise ValueError(
+                "markov_learning_rate is the Markov head's learning rate, and this drafter has none: add one with "
+                "--markov_rank R or drop --markov_learning_rate."
+            )
         draft_ids = model.draft_token_ids
         self.draft_token_ids = None if draft_ids is None else draft_ids.detach().clone()
         if self.draft_token_ids is not None:  # target id -> draft id, -100 (ignored) outside the draft vocabulary
@@ -318,17 +333,28 @@ class DFlashTrainer(PickleFreeCheckpoints):
         return step.context_hidden_states, step.last_hidden_state
 
     def create_optimizer(self, model=None):
-        """AdamW (the Trainer's), or with `muon=True` Muon for 2-D weight matrices and AdamW for the rest."""
-        if not self.args.muon or self.optimizer is not None:
-            return super().create_optimizer(model) if model is not None else super().create_optimizer()
-        self.optimizer = MuonWithAdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=self.args.learning_rate,
-            weight_decay=self.args.weight_decay,
-            betas=(self.args.adam_beta1, self.args.adam_beta2),
-            eps=self.args.adam_epsilon,
-            newton_schulz_float32=newton_schulz_float32_pays(self.args.device),
-        )
+        """AdamW (the Trainer's), or with `muon=True` Muon for the backbone's 2-D weight matrices and AdamW for the
+        rest; a Markov head is always on AdamW, at `markov_learning_rate` where given."""
+        if self.optimizer is not None:
+            return self.optimizer
+        head = [] if self.model.markov_head is None else list(self.model.markov_head.parameters())
+        head_lr = self.args.markov_learning_rate or self.args.learning_rate
+        head_ids = {id(p) for p in head}
+        backbone = [p for p in self.model.parameters() if p.requires_grad and id(p) not in head_ids]
+        if self.args.muon and any(p.ndim == 2 for p in backbone):
+            self.optimizer = MuonWithAdamW(
+                backbone,
+                lr=self.args.learning_rate,
+                weight_decay=self.args.weight_decay,
+                betas=(self.args.adam_beta1, self.args.adam_beta2),
+                eps=self.args.adam_epsilon,
+                newton_schulz_float32=newton_schulz_float32_pays(self.args.device),
+                adamw_groups=[{"params": head, "lr": head_lr}],
+            )
+            return self.optimizer
+        super().create_optimizer(model) if model is not None else super().create_optimizer()
+        if head_lr != self.args.learning_rate:
+            _move_to_own_group(self.optimizer, head_ids, head_lr)
         return self.optimizer
 
     def dflash_loss(

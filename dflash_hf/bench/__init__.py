@@ -12,7 +12,15 @@
     >>> print(bench.render_markdown("bench-out/bench.json"))  # README results section
 """
 
-from .methods import DEFAULT_BLOCK_SIZES, BenchMethod, MethodRun, default_methods, sampling_methods, widest_verify
+from .methods import (
+    DEFAULT_BLOCK_SIZES,
+    BenchMethod,
+    MethodRun,
+    default_methods,
+    drafter_methods,
+    sampling_methods,
+    widest_verify,
+)
 from .prompts import PROMPT_SETS, BenchPrompt, load_bench_prompts
 from .report import (
     JSON_NAME,
@@ -52,6 +60,7 @@ __all__ = [
     "PromptResult",
     "MethodRun",
     "default_methods",
+    "drafter_methods",
     "widest_verify",
     "sampling_methods",
     "hardware_info",

@@ -11,6 +11,7 @@ number is derived.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,8 @@ class MethodRun:
             prefill, or `None` where the method does not measure it.
         lookup_wins: Cycles whose accepted path was the prompt-lookup branch (`candidates="dflash+lookup"`), else
             `None`.
+        verify_widths: Tokens the target verified in each cycle (the block, plus a lookup branch or a draft tree's
+            other nodes) where the method reports it (our engine), else `None`.
     """
 
     new_tokens: list[int]
@@ -53,6 +56,7 @@ class MethodRun:
     verify_time: float | None = None
     prefill_time: float | None = None
     lookup_wins: int | None = None
+    verify_widths: list[int] | None = None
 
 
 MethodRunner = Callable[[torch.LongTensor, int], MethodRun]
@@ -212,6 +216,7 @@ def _engine_runner(
             accepted_lengths=list(out.accepted_lengths[0]) if out.accepted_lengths else [],
             block_sizes=list(out.block_sizes[0]) if out.block_sizes else [],
             lookup_wins=out.lookup_wins[0] if out.lookup_wins else None,
+            verify_widths=list(out.verify_widths[0]) if out.verify_widths else None,
             draft_time=out.draft_time,
             verify_time=out.verify_time,
             prefill_time=out.prefill_time,
@@ -245,12 +250,39 @@ def default_methods(
         draft_tree: Include our engine with a draft tree (`candidates="tree"`) at the smallest and the largest block
             size.
     """
+    if prompt_lookup_num_tokens < 1:
+        raise ValueError(f"prompt_lookup_num_tokens must be >= 1, got {prompt_lookup_num_tokens}.")
+    sizes = _checked_sizes(drafter, block_sizes, lookup_tokens)
+    return _transformers_methods(target, drafter, prompt_lookup_num_tokens) + _engine_methods(
+        target, drafter, sizes, adaptive, lookup_branch, [int(n) for n in lookup_tokens], draft_tree
+    )
+
+
+def drafter_methods(
+    target: PreTrainedModel,
+    drafter: DFlashDraftModel,
+    tag: str,
+    block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES,
+    adaptive: bool = True,
+    lookup_branch: bool = True,
+    lookup_tokens: Sequence[int] = (),
+    draft_tree: bool = True,
+) -> list[BenchMethod]:
+    """The engine rows of [`default_methods`] for a further drafter, named `<row>@<tag>` and labelled `<label>
+    [<tag>]`, each compared with the run's plain greedy: several drafters side by side in one run."""
+    sizes = _checked_sizes(drafter, block_sizes, lookup_tokens)
+    methods = _engine_methods(
+        target, drafter, sizes, adaptive, lookup_branch, [int(n) for n in lookup_tokens], draft_tree
+    )
+    return [dataclasses.replace(m, name=f"{m.name}@{tag}", label=f"{m.label} [{tag}]") for m in methods]
+
+
+def _checked_sizes(drafter: DFlashDraftModel, block_sizes: Sequence[int], lookup_tokens: Sequence[int]) -> list[int]:
+    """The block sizes `drafter` runs of `block_sizes`, ascending; a `ValueError` for invalid sizes or lengths."""
     trained = int(drafter.config.block_size)
     bad = [b for b in block_sizes if int(b) < 2]
     if bad:
         raise ValueError(f"Block sizes must be >= 2 (anchor + at least one draft), got {bad}.")
-    if prompt_lookup_num_tokens < 1:
-        raise ValueError(f"prompt_lookup_num_tokens must be >= 1, got {prompt_lookup_num_tokens}.")
     if any(int(n) < 1 for n in lookup_tokens):
         raise ValueError(f"Lookup branch lengths must be >= 1, got {list(lookup_tokens)}.")
     sizes = _fitting_sizes(block_sizes, trained)
@@ -259,9 +291,7 @@ def default_methods(
             f"None of the block sizes {list(block_sizes)} fits the drafter's trained block size {trained}: pass block "
             f"sizes <= {trained}."
         )
-    return _transformers_methods(target, drafter, prompt_lookup_num_tokens) + _engine_methods(
-        target, drafter, sizes, adaptive, lookup_branch, [int(n) for n in lookup_tokens], draft_tree
-    )
+    return sizes
 
 
 def _fitting_sizes(block_sizes: Sequence[int], trained: int) -> list[int]:

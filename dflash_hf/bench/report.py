@@ -53,28 +53,43 @@ def _exact_cell(summary: dict[str, Any]) -> str:
     return f"**NO** (prompts {', '.join(map(str, summary['mismatched_prompts']))})"
 
 
+def _slot_cell(summary: dict[str, Any]) -> str:
+    """Acceptance rates of draft slots 1-3 in percent (`-` for a method without draft slots)."""
+    rates = summary.get("acceptance_rate_by_slot") or []
+    return " / ".join(f"{100 * rate:.0f}" for rate in rates[:3]) + " %" if rates else "-"
+
+
 def markdown_table(result: BenchResult | dict[str, Any] | str | os.PathLike) -> str:
     """The per-method results as a Markdown table (from a result, its JSON document, or the path of `bench.json`).
 
     When the run has plain greedy decoding with the engine's kernels, a column gives every method's speedup over
     that baseline too (the gain from speculation alone); when a method verified a prompt-lookup branch, a last column
-    says in how many cycles that branch was the accepted one."""
+    says in how many cycles that branch was the accepted one. A run that recorded the tokens verified per cycle also
+    shows the mean verify width and the acceptance rate of draft slots 1-3."""
     document = as_document(result)
     kernels = next((m for m in document["methods"] if m["name"] == KERNEL_BASELINE), None)
     kernel_rate = kernels["summary"]["tokens_per_s"] if kernels else None
     lookups = any(m["summary"].get("lookup_win_rate") is not None for m in document["methods"])
+    widths = any(m["summary"].get("mean_verify_width") is not None for m in document["methods"])
     extra = (" vs greedy with engine kernels |", "---:|") if kernel_rate else ("", "")
     if lookups:
         extra = (extra[0] + " lookup branch won |", extra[1] + "---:|")
+    columns = (" verify width | slots 1/2/3 accepted |", "---:|---:|") if widths else ("", "")
     lines = [
-        "| Method | mean block | tau | tokens/s | speedup | draft ms/cycle | verify ms/cycle | exact |" + extra[0],
-        "|---|---:|---:|---:|---:|---:|---:|---|" + extra[1],
+        "| Method | mean block |"
+        + columns[0]
+        + " tau | tokens/s | speedup | draft ms/cycle | verify ms/cycle | exact |"
+        + extra[0],
+        "|---|---:|" + columns[1] + "---:|---:|---:|---:|---:|---|" + extra[1],
     ]
     for method in document["methods"]:
         summary = method["summary"]
         exact = _exact_cell(summary)
+        cells = ""
+        if widths:
+            cells = f" {_fmt(summary.get('mean_verify_width'), 1, empty='-')} | {_slot_cell(summary)} |"
         line = (
-            f"| {method['label']} | {_fmt(summary['mean_block_size'], 1, empty='-')} | {_fmt(summary['tau'])} "
+            f"| {method['label']} | {_fmt(summary['mean_block_size'], 1, empty='-')} |{cells} {_fmt(summary['tau'])} "
             f"| {_fmt(summary['tokens_per_s'])} "
             f"| {_fmt(summary['speedup'], suffix='x')} | {_fmt(summary['draft_ms_per_cycle'], 1)} "
             f"| {_fmt(summary['verify_ms_per_cycle'], 1)} | {exact} |"

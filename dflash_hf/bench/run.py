@@ -50,6 +50,7 @@ class PromptResult:
     first_mismatch: int | None
     output_ids: list[int]
     lookup_wins: int | None = None
+    verify_widths: list[int] | None = None
 
 
 @dataclass
@@ -72,6 +73,7 @@ class MethodSummary:
     exact: bool | None
     mismatched_prompts: list[int]
     lookup_win_rate: float | None = None
+    mean_verify_width: float | None = None
 
 
 @dataclass
@@ -205,6 +207,7 @@ def _per_prompt(index: int, run: MethodRun, reference: MethodRun | None, compare
         first_mismatch=position,
         output_ids=run.new_tokens,
         lookup_wins=run.lookup_wins,
+        verify_widths=run.verify_widths,
     )
 
 
@@ -223,6 +226,7 @@ def _summary(records: list[PromptResult], block_size: int | None, reference_rate
 
     known = all(r.block_sizes is not None for r in records)
     sizes = [k for r in records for k in r.block_sizes] if known else None
+    widths = [w for r in records for w in r.verify_widths] if all(r.verify_widths is not None for r in records) else []
     slots = block_size if block_size is not None else max(lengths, default=0)
     mismatched = [r.prompt for r in records if r.matches_greedy is False]
     compared = all(r.matches_greedy is not None for r in records)
@@ -250,6 +254,7 @@ def _summary(records: list[PromptResult], block_size: int | None, reference_rate
             if cycles and all(r.lookup_wins is not None for r in records)
             else None
         ),
+        mean_verify_width=sum(widths) / len(widths) if widths else None,
     )
 
 

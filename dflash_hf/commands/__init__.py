@@ -28,8 +28,6 @@ def load_models(
     from transformers.utils import logging as hf_logging
 
     from ..engine import row_exact
-    from ..engine.adapters import check_built_for
-    from ..modeling import DFlashDraftModel
     from ..precision import measured_choice
     from ..runtime import inference_dtype
     from ..targets import cache_dir, load_target
@@ -45,12 +43,22 @@ def load_models(
         if device.type == "cpu" and chosen != torch.float32:
             exact = row_exact.install(model, verify_tokens)
             reason += "; block verification checked bit-exact" if exact else "; block verification NOT bit-exact here"
-        drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=model.dtype).to(device).eval()
-        check_built_for(drafter.config, model)  # a mismatch is the command's one error line, before anything is printed
+        drafter = load_drafter(drafter_dir, model)
     finally:
         if bars:
             hf_logging.enable_progress_bar()
     return model, tokenizer, drafter, f"{str(model.dtype).replace('torch.', '')} ({reason})"
+
+
+def load_drafter(drafter_dir: Path, target):
+    """The drafter of `drafter_dir` in `target`'s dtype on its device, in eval mode; a `ValueError` (the command's one
+    error line) when it was built for another target."""
+    from ..engine.adapters import check_built_for
+    from ..modeling import DFlashDraftModel
+
+    drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=target.dtype).to(target.device).eval()
+    check_built_for(drafter.config, target)
+    return drafter
 
 
 def add_tap_arguments(parser: argparse.ArgumentParser) -> None:

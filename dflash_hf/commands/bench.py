@@ -10,6 +10,7 @@ of an earlier run instead. See docs/design.md ("Benchmark") for how every number
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from . import (
     comma_separated_floats,
     comma_separated_ints,
     device_of,
+    load_drafter,
     load_models,
     setup_cpu,
 )
@@ -37,6 +39,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n")[1].replace("\n", " "),
     )
     add_model_arguments(parser)
+    parser.add_argument(
+        "--compare-drafter",
+        type=tagged_drafter,
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="Also run our engine's rows with this drafter (repeatable), labelled [NAME], against the same plain "
+        "greedy on the same prompts: drafters side by side in one run (e.g. an ablation).",
+    )
     parser.add_argument(
         "--prompts",
         default="humaneval",
@@ -180,6 +191,16 @@ def _add_llama_cpp_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def tagged_drafter(text: str) -> tuple[str, Path]:
+    """`argparse` type of `--compare-drafter NAME=DIR`: the row tag (letters, digits, `-`, `_`, `.`) and the folder."""
+    name, sep, folder = text.partition("=")
+    if not sep or not folder or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=DIR with a NAME of letters, digits, '-', '_' or '.', such as markov=runs/m/final, got {text!r}"
+        )
+    return name, Path(folder)
+
+
 def _command_line(args: argparse.Namespace, threads: int | None) -> str:
     """The full command with every setting spelled out, so that it reproduces this run.
 
@@ -189,6 +210,8 @@ def _command_line(args: argparse.Namespace, threads: int | None) -> str:
     argv = ["dflash-hf", "bench", "--target", str(args.target)]
     if args.drafter is not None:
         argv += ["--drafter", str(args.drafter)]
+    for name, folder in args.compare_drafter:
+        argv += ["--compare-drafter", f"{name}={folder}"]
     argv += [
         "--prompts", str(args.prompts),
         "--num-prompts", str(args.num_prompts),
@@ -260,6 +283,9 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--llama-cpp {args.llama_cpp} holds no llama-server: pass llama.cpp's build/bin folder.")
     if not 0.0 <= args.llama_cpp_p_min < 1.0:
         raise ValueError(f"--llama-cpp-p-min must lie in [0, 1), got {args.llama_cpp_p_min}.")
+    names = [name for name, _ in args.compare_drafter]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--compare-drafter names must differ (they tag the rows), got {names}.")
 
 
 def _llama_cpp(args: argparse.Namespace, drafter, prompts, tokenizer, threads: int) -> dict:
@@ -314,9 +340,14 @@ def run(args: argparse.Namespace) -> int:
     device = device_of(args.device)
     threads = setup_cpu(args, device)
 
-    max_block = int(DFlashConfig.from_pretrained(drafter_dir).block_size)  # no method verifies a larger block
-    widest = bench.widest_verify(
-        args.block_sizes, max_block, not args.no_lookup_branch, args.lookup_tokens, not args.no_draft_tree
+    compared = {name: resolve_drafter_dir(args.target, folder) for name, folder in args.compare_drafter}
+    trained = [int(DFlashConfig.from_pretrained(d).block_size) for d in (drafter_dir, *compared.values())]
+    max_block = max(trained)  # no method verifies a larger block
+    widest = max(
+        bench.widest_verify(
+            args.block_sizes, size, not args.no_lookup_branch, args.lookup_tokens, not args.no_draft_tree
+        )
+        for size in trained
     )
     target, tokenizer, drafter, precision = load_models(args.target, drafter_dir, device, args.dtype, max_block, widest)
     prompts, prompt_info = bench.load_bench_prompts(
@@ -345,6 +376,17 @@ def run(args: argparse.Namespace) -> int:
             f"--skip takes prompt_lookup, native_dflash and/or greedy_engine_kernels, got {sorted(unknown)}."
         )
     methods = [method for method in methods if method.name not in skipped]
+    for name, folder in compared.items():
+        methods += bench.drafter_methods(
+            target,
+            load_drafter(folder, target),
+            name,
+            block_sizes=args.block_sizes,
+            adaptive=not args.no_adaptive,
+            lookup_branch=not args.no_lookup_branch,
+            lookup_tokens=args.lookup_tokens,
+            draft_tree=not args.no_draft_tree,
+        )
     if args.temperatures:
         methods += bench.sampling_methods(target, drafter, args.temperatures, args.sampling_block_size)
     result = bench.run_bench(
@@ -357,6 +399,7 @@ def run(args: argparse.Namespace) -> int:
         settings={
             "target": str(args.target),
             "drafter": str(drafter_dir),
+            "compared_drafters": {name: str(folder) for name, folder in compared.items()},
             "prompts": str(args.prompts),
             "prompt_set": prompt_info,
             "threads": threads,
