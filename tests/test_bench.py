@@ -518,7 +518,11 @@ def test_cli_end_to_end(folders, tmp_path, capsys):
     out = tmp_path / "results"
     assert cli.main(_bench_args(folders, out)) == 0
     stdout = capsys.readouterr().out
-    assert "| plain greedy | - | - | - | 1.00 |" in stdout and "| dflash-hf B=4 |" in stdout and "dflash-hf B=8" not in stdout
+    assert (
+        "| plain greedy | - | - | - | 1.00 |" in stdout
+        and "| dflash-hf B=4 |" in stdout
+        and "dflash-hf B=8" not in stdout
+    )
     document = json.loads((out / bench.JSON_NAME).read_text())
     assert document["exact"] and document["settings"]["threads"] == 1
     assert document["settings"]["prompt_set"]["used"] == 2
@@ -547,6 +551,19 @@ def test_cli_compares_drafters_in_one_run(folders, tmp_path, capsys):
     assert f"--compare-drafter again={folders['drafter']}" in document["command"]
     rows = {m["name"]: m["summary"] for m in document["methods"]}
     assert rows["dflash_b4@again"]["tau"] == rows["dflash_b4"]["tau"]  # the same drafter accepts the same drafts
+
+    # the run's own drafter's rows become the exported card's results table
+    card_rows = bench.card_metrics(document)
+    assert [row["block_size"] for row in card_rows] == ["4, Transformers' native path", "4", "4 + lookup branch"]
+    assert card_rows[1]["tau"] == round(rows["dflash_b4"]["tau"], 2) and card_rows[0]["date"] == document["date"][:10]
+    assert card_rows[0]["benchmark"].endswith("2 prompts, 6 new tokens, greedy float32, exact=True")
+    hardware = document["hardware"]
+    assert card_rows[0]["hardware"].startswith(f"{hardware['cpu']} ({hardware['cpu_capability']}")
+    argv = ["export", str(folders["drafter"]), str(tmp_path / "card"), "--target", str(folders["target"])]
+    assert cli.main([*argv, "--base-model", "org/tiny", "--metrics", str(out / bench.JSON_NAME)]) == 0
+    card = (tmp_path / "card" / "README.md").read_text()
+    assert f"| 4 + lookup branch | {card_rows[2]['tau']:.2f} | {card_rows[2]['speedup']:.2f}x |" in card
+    assert "[again]" not in card
 
 
 def test_recorded_command_names_the_drafter_only_as_given():

@@ -241,12 +241,62 @@ def drafter_name(drafter: str) -> str:
     return f"dflash_hf/bundled/{inside[1]}" if len(inside) == 2 else drafter
 
 
+def card_metrics(result: BenchResult | dict[str, Any] | str | os.PathLike) -> list[dict[str, Any]]:
+    """A bench run as rows of a model card's results table (`dflash-hf export --metrics bench.json`): one per greedy
+    method that speculated with the run's own drafter (not plain greedy, prompt lookup, sampled rows or the
+    `--compare-drafter` rows), with the run's prompts, precision, exactness, host and date."""
+    document = as_document(result)
+    settings, hardware = document["settings"], document["hardware"]
+    prompt_set = settings.get("prompt_set") or {}
+    prompts = (
+        f"{prompt_set.get('description', settings.get('prompts', 'custom prompts'))}, "
+        f"{prompt_set.get('used', settings['num_prompts'])} prompts, {settings['max_new_tokens']} new tokens, "
+        f"greedy {settings['dtype']}"
+    )
+    host = hardware_summary(hardware)
+    rows = []
+    for method in document["methods"]:
+        summary = method["summary"]
+        if method["name"] in ("greedy", KERNEL_BASELINE, "prompt_lookup") or "@" in method["name"]:
+            continue
+        if summary["exact"] is None or summary["tau"] is None or not summary["speedup"]:
+            continue
+        rows.append(
+            {
+                "benchmark": f"{prompts}, exact={summary['exact']}",
+                "block_size": (
+                    f"{method['block_size']}, Transformers' native path"
+                    if method["name"] == "native_dflash"
+                    else method["label"].removeprefix("dflash-hf ").removeprefix("B=")
+                ),
+                "tau": round(summary["tau"], 2),
+                "speedup": round(summary["speedup"], 2),
+                "hardware": host,
+                "date": document["date"][:10],
+            }
+        )
+    return rows
+
+
+def hardware_summary(hardware: dict[str, Any]) -> str:
+    """The host in a few words: CPU (and its vector ISA and native bf16 where recorded), threads, torch, MKL mode."""
+    gpu = f", GPU {hardware['gpu']}" if hardware.get("gpu") else ""
+    mkl = f", {hardware['mkl']}" if hardware.get("mkl") and hardware.get("device") == "cpu" else ""
+    return f"{_cpu(hardware)}{gpu}, {hardware['torch_threads']} threads, torch {hardware['torch']}{mkl}"
+
+
+def _cpu(hardware: dict[str, Any]) -> str:
+    """The CPU's model, with its vector ISA and native bf16 feature where the run recorded them."""
+    isa = [hardware[key] for key in ("cpu_capability", "native_bf16") if hardware.get(key)]
+    return f"{hardware['cpu']} ({', '.join(isa)})" if isa else hardware["cpu"]
+
+
 def hardware_line(hardware: dict[str, Any]) -> str:
     """The `Hardware: ...` line of a report: CPU, threads, device (GPU, MKL mode on CPU) and library versions."""
     gpu = f", GPU {hardware['gpu']}" if hardware.get("gpu") else ""
     mkl = f", {hardware['mkl']}" if hardware.get("mkl") and hardware.get("device") == "cpu" else ""
     return (
-        f"Hardware: {hardware['cpu']} ({hardware['torch_threads']} torch threads of {hardware['cpus_available']} "
+        f"Hardware: {_cpu(hardware)} ({hardware['torch_threads']} torch threads of {hardware['cpus_available']} "
         f"CPUs available{gpu}, device {hardware['device']}{mkl}); torch {hardware['torch']}, transformers "
         f"{hardware['transformers']}, Python {hardware['python']}."
     )

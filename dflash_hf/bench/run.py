@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 
 from ..engine.acceptance import acceptance_rate_by_slot
 from ..modeling import DFlashDraftModel
-from ..runtime import available_cpus, cpu_model, mkl_choice, mkl_mode
+from ..runtime import available_cpus, cpu_model, mkl_choice, mkl_mode, native_bf16_feature
 from .methods import BenchMethod, MethodRun, default_methods
 from .profile import measure_costs
 from .prompts import BenchPrompt
@@ -154,6 +154,8 @@ def hardware_info(device: torch.device) -> dict[str, Any]:
     """CPU model, CPU and torch thread counts, accelerator and library versions of this machine."""
     info = {
         "cpu": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "native_bf16": native_bf16_feature(),
         "cpus_available": available_cpus(),
         "torch_threads": torch.get_num_threads(),
         "mkl": mkl_mode(),

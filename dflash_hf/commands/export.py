@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from ..bench.report import card_metrics
+from ..bench.run import BENCH_FORMAT
 from ..fileio import read_json
 from ..hub.export import EXPORT_FORMATS, export
 from ..hub.gguf import GGUF_TYPES
@@ -17,9 +19,26 @@ def _read_json(path: Path | None) -> Any:
     return None if path is None else read_json(path, "pass a JSON file (see `dflash-hf export --help`).")
 
 
+def _metrics(paths: list[Path] | None) -> list[Any] | None:
+    """The card's results rows from `--metrics` files: a `dflash-hf bench` run's `bench.json` gives one row per
+    speculative method (`bench.card_metrics`), any other file holds rows as `render_model_card` takes them."""
+    if not paths:
+        return None
+    rows: list[Any] = []
+    for path in paths:
+        document = _read_json(path)
+        if isinstance(document, dict) and document.get("format") == BENCH_FORMAT:
+            rows += card_metrics(document)
+        elif isinstance(document, dict):
+            rows += document["results"] if "results" in document else [document]
+        else:
+            rows += document
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `export`; returns the exit code."""
-    metrics = _read_json(args.metrics)
+    metrics = _metrics(args.metrics)
     training = _read_json(args.training)
     drafter = DFlashDraftModel.from_pretrained(drafter_source(args.drafter))
     out_dir = export(
@@ -74,8 +93,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--metrics",
         type=Path,
-        help="JSON file of measured benchmark rows (tau, speedup, hardware, date; optional benchmark, block_size, "
-        "temperature) for the card's results table",
+        nargs="+",
+        help="the card's results table: `dflash-hf bench` runs (their bench.json: a row per speculative method) "
+        "and/or JSON files of measured rows (tau, speedup, hardware, date; optional benchmark, block_size, "
+        "temperature)",
     )
     parser.add_argument("--training", type=Path, help="JSON object of recorded training facts for the card")
     parser.add_argument("--base-model", help="the target's Hub id for the card, when --target is a local folder")
