@@ -486,6 +486,11 @@ def test_tau_per_benchmark(setup):
     assert table.splitlines()[3].startswith(f"| {speculative.label} | ") and f"| {mean:.2f} |" in table
     assert len(table.splitlines()) == 2 + len(result.methods)
     assert "Tau per benchmark:" in bench.render_markdown(result.to_json())
+    # a model card gets a row per benchmark
+    rows = bench.card_metrics(result)
+    assert [row["benchmark"].split(",")[0] for row in rows] == ["gsm8k", "mbpp"]
+    assert [row["tau"] for row in rows] == [round(cells[name]["tau"], 2) for name in ("gsm8k", "mbpp")]
+    assert rows[0]["benchmark"].endswith(f"1 prompt, {MAX_NEW} new tokens, greedy float32, exact=True")
     assert bench.benchmark_table(bench.run_bench(
         target, drafter, prompts, max_new_tokens=2, methods=methods[:1], warmup_tokens=0, progress=False,
         profile_costs=False,

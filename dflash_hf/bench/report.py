@@ -244,37 +244,46 @@ def drafter_name(drafter: str) -> str:
 def card_metrics(result: BenchResult | dict[str, Any] | str | os.PathLike) -> list[dict[str, Any]]:
     """A bench run as rows of a model card's results table (`dflash-hf export --metrics bench.json`): one per greedy
     method that speculated with the run's own drafter (not plain greedy, prompt lookup, sampled rows or the
-    `--compare-drafter` rows), with the run's prompts, precision, exactness, host and date."""
+    `--compare-drafter` rows), per benchmark in a run of several prompt sets, with the prompts, precision,
+    exactness, host and date."""
     document = as_document(result)
     settings, hardware = document["settings"], document["hardware"]
-    prompt_set = settings.get("prompt_set") or {}
-    prompts = (
-        f"{prompt_set.get('description', settings.get('prompts', 'custom prompts'))}, "
-        f"{prompt_set.get('used', settings['num_prompts'])} prompts, {settings['max_new_tokens']} new tokens, "
-        f"greedy {settings['dtype']}"
-    )
-    host = hardware_summary(hardware)
+    by_benchmark = document.get("by_benchmark")
+    if by_benchmark:  # one row per benchmark and method
+        groups = [(name, cell["prompts"]) for name, cell in next(iter(by_benchmark.values())).items()]
+    else:
+        prompt_set = settings.get("prompt_set") or {}
+        groups = [(prompt_set.get("description", settings.get("prompts", "custom prompts")), settings["num_prompts"])]
+    benchmark_of = [prompt.get("benchmark") for prompt in document["prompts"]]
     rows = []
     for method in document["methods"]:
         summary = method["summary"]
         if method["name"] in ("greedy", KERNEL_BASELINE, "prompt_lookup") or "@" in method["name"]:
             continue
-        if summary["exact"] is None or summary["tau"] is None or not summary["speedup"]:
+        if summary["exact"] is None or summary["tau"] is None:
             continue
-        rows.append(
-            {
-                "benchmark": f"{prompts}, exact={summary['exact']}",
-                "block_size": (
-                    f"{method['block_size']}, Transformers' native path"
-                    if method["name"] == "native_dflash"
-                    else method["label"].removeprefix("dflash-hf ").removeprefix("B=")
-                ),
-                "tau": round(summary["tau"], 2),
-                "speedup": round(summary["speedup"], 2),
-                "hardware": host,
-                "date": document["date"][:10],
-            }
+        block = (
+            f"{method['block_size']}, Transformers' native path"
+            if method["name"] == "native_dflash"
+            else method["label"].removeprefix("dflash-hf ").removeprefix("B=")
         )
+        for name, used in groups:
+            cell = by_benchmark[method["name"]][name] if by_benchmark else summary
+            if cell["tau"] is None or not cell["speedup"]:
+                continue
+            exact = not any(by_benchmark is None or benchmark_of[i] == name for i in summary["mismatched_prompts"])
+            rows.append(
+                {
+                    "benchmark": f"{name}, {used} prompt{'' if used == 1 else 's'}, {settings['max_new_tokens']} "
+                    f"new tokens, greedy "
+                    f"{settings['dtype']}, exact={exact}",
+                    "block_size": block,
+                    "tau": round(cell["tau"], 2),
+                    "speedup": round(cell["speedup"], 2),
+                    "hardware": hardware_summary(hardware),
+                    "date": document["date"][:10],
+                }
+            )
     return rows
 
 
