@@ -36,11 +36,10 @@ def verdict_key(target: str, max_block: int, verify_tokens: int) -> str:
 
 
 def _load(target: str, drafter_dir: Path, device: torch.device, dtype: torch.dtype):
-    from .targets import load_target
+    from .targets import load_drafter, load_target
 
     model, tokenizer = load_target(target, dtype=dtype, device=device)
-    drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=dtype).to(device).eval()
-    return model, tokenizer, drafter
+    return model, tokenizer, load_drafter(drafter_dir, model)
 
 
 def _cycle_ms(model: PreTrainedModel, drafter: DFlashDraftModel, max_block: int, verify_tokens: int) -> float:

@@ -436,3 +436,14 @@ def load_target(
     model.eval()
     configure_generation(model, tokenizer)
     return model, tokenizer
+
+
+def load_drafter(drafter_dir: str | os.PathLike, target: PreTrainedModel):
+    """The DFlash drafter of `drafter_dir` in `target`'s dtype on its device, in eval mode; a `ValueError` naming the
+    problem when it was built for another target (`engine.adapters.check_built_for`)."""
+    from .engine.adapters import check_built_for
+    from .modeling import DFlashDraftModel
+
+    drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=target.dtype).to(target.device).eval()
+    check_built_for(drafter.config, target)
+    return drafter

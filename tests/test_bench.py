@@ -103,6 +103,8 @@ def test_verify_widths_are_recorded_per_cycle(result):
                 assert all(w >= k for w, k in zip(record.verify_widths, record.block_sizes)), name
             else:
                 assert record.verify_widths == record.block_sizes, name
+    for name in ("dflash_b4_lookup", "dflash_b4_tree"):  # the branch is verified beside the block
+        assert any(w > k for r in result.results[name] for w, k in zip(r.verify_widths, r.block_sizes)), name
     b8 = _method(result, "dflash_b8").summary
     assert b8.mean_verify_width == b8.mean_block_size  # blocks alone (the last ones capped by max_new_tokens)
     assert _method(result, "greedy").summary.mean_verify_width is None
@@ -554,6 +556,10 @@ def test_cli_compares_drafters_in_one_run(folders, tmp_path, capsys):
     document = json.loads((out / bench.JSON_NAME).read_text())
     assert document["settings"]["compared_drafters"] == {"again": str(folders["drafter"])}
     assert f"--compare-drafter again={folders['drafter']}" in document["command"]
+    assert (
+        f"Rows tagged [NAME] run the engine with another drafter: [again] `{folders['drafter']}`."
+        in (out / bench.MARKDOWN_NAME).read_text()
+    )
     rows = {m["name"]: m["summary"] for m in document["methods"]}
     assert rows["dflash_b4@again"]["tau"] == rows["dflash_b4"]["tau"]  # the same drafter accepts the same drafts
 
@@ -569,6 +575,27 @@ def test_cli_compares_drafters_in_one_run(folders, tmp_path, capsys):
     card = (tmp_path / "card" / "README.md").read_text()
     assert f"| 4 + lookup branch | {card_rows[2]['tau']:.2f} | {card_rows[2]['speedup']:.2f}x |" in card
     assert "[again]" not in card
+    # and only onto the card of a drafter the run measured
+    other = tmp_path / "other"
+    DFlashDraftModel(DFlashConfig.from_pretrained(folders["drafter"])).save_pretrained(other)
+    argv = ["export", str(other), str(tmp_path / "card2"), "--target", str(folders["target"]), "--base-model", "o/t"]
+    assert cli.main([*argv, "--metrics", str(out / bench.JSON_NAME)]) == 2
+    assert f"measured {folders['drafter']}, {folders['drafter']}, not {other}" in capsys.readouterr().err
+    assert not (tmp_path / "card2").exists()
+
+
+def test_cli_checks_compared_drafters_before_loading(folders, tmp_path, capsys):
+    extra = ["--block-sizes", "8", "--compare-drafter", f"small={folders['drafter']}"]
+    assert cli.main(_bench_args(folders, tmp_path / "out", *extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: --compare-drafter small={folders['drafter']}: none of the block sizes [8] fits its trained block "
+        "size 4; add a block size <= 4 to --block-sizes."
+    ]
+    for bad in ("bad name=x", "name-only", "x="):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(["bench", "--compare-drafter", bad])
+        assert "expected NAME=DIR" in capsys.readouterr().err
 
 
 def test_recorded_command_names_the_drafter_only_as_given():
@@ -611,7 +638,7 @@ def test_cli_mismatch_exit_status(folders, tmp_path, capsys, monkeypatch):
         (["--llama-cpp", "no-such-bin"], "--llama-cpp no-such-bin holds no llama-server"),
         (["--llama-cpp-p-min", "1"], "--llama-cpp-p-min must lie in [0, 1), got 1.0"),
         (["--compare-drafter", "a=x", "--compare-drafter", "a=y"], "--compare-drafter names must differ"),
-        (["--compare-drafter", "a=no-such-folder"], "No DFlash drafter at no-such-folder"),
+        (["--compare-drafter", "a=no-such-folder"], "--compare-drafter a=no-such-folder: no DFlash drafter there"),
     ],
 )
 def test_cli_bad_input(folders, tmp_path, capsys, extra, message):

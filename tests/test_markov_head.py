@@ -374,6 +374,7 @@ def learning_rates(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> d
     return {names[id(p)]: group["lr"] for group in optimizer.param_groups for p in group["params"]}
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 @pytest.mark.parametrize("muon", [False, True])
 def test_markov_learning_rate_drives_the_head_alone(tiny_data, tmp_path, muon):
     """`markov_learning_rate`: the head's parameters learn at that rate, the backbone's at `learning_rate`, on one
@@ -399,14 +400,48 @@ def test_markov_learning_rate_drives_the_head_alone(tiny_data, tmp_path, muon):
     assert 0 < backbone_rate < 1e-3 and head_rate == pytest.approx(10 * backbone_rate)  # one cosine for both
 
 
-def test_a_frozen_backbone_with_muon_trains_the_head_with_adamw(tiny_data, tmp_path):
-    """Nothing is left for Muon when only the head trains: the head gets the Trainer's AdamW."""
-    trainer = markov_trainer(tiny_data, tmp_path, muon=True, freeze_backbone=True, max_steps=2)
-    trainer.train()
+@pytest.mark.parametrize("muon", [False, True])
+def test_a_frozen_backbone_trains_the_head_at_its_own_rate(tiny_data, tmp_path, muon):
+    """Only the head trains: with `muon` nothing is left for Muon, so the head gets the Trainer's AdamW; no empty
+    parameter group stays behind, so the logged learning rate is the head's."""
+    trainer = markov_trainer(
+        tiny_data, tmp_path, muon=muon, freeze_backbone=True, max_steps=2, markov_learning_rate=5e-3, warmup_steps=0
+    )
+    trainer.create_optimizer_and_scheduler(num_training_steps=2)
     optimizer = inner_optimizer(trainer)
-    assert isinstance(optimizer, torch.optim.AdamW)
+    assert isinstance(optimizer, torch.optim.AdamW) and all(group["params"] for group in optimizer.param_groups)
     names = {id(p): name for name, p in trainer.model.named_parameters()}
-    assert set(learning_rates(optimizer, names)) == MARKOV_TENSORS
+    assert learning_rates(optimizer, names) == dict.fromkeys(MARKOV_TENSORS, 5e-3)
+    assert trainer.lr_scheduler.get_last_lr()[0] == 5e-3
+
+
+@pytest.mark.parametrize("muon", [False, True])
+def test_a_run_with_the_heads_own_rate_resumes_the_same_run(tiny_data, tmp_path, muon):
+    """Checkpoints hold the head's parameter groups: resuming gives the weights of the uninterrupted run; a
+    checkpoint of a run with other groups is refused with the fix."""
+    kw = dict(muon=muon, max_steps=4, save_strategy="steps", save_steps=2, markov_learning_rate=1e-2)
+    full = markov_trainer(tiny_data, tmp_path / "full", **kw)
+    full.train()
+    resumed = markov_trainer(tiny_data, tmp_path / "resumed", **kw)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    for key, value in resumed.model.state_dict().items():
+        assert torch.allclose(value, full.model.state_dict()[key], atol=1e-6), key
+    other = markov_trainer(tiny_data, tmp_path / "other", **{**kw, "markov_learning_rate": None})
+    if not muon:  # without the head's own rate the plain optimizer has one group fewer
+        with pytest.raises(ValueError, match="other muon / markov_learning_rate / freeze_backbone settings"):
+            other.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+
+
+def test_muon_with_adamw_updates_a_parameter_once():
+    """A parameter given both as a Muon candidate and in an AdamW group is on AdamW alone."""
+    from dflash_hf.trainers.optimizers import MuonWithAdamW
+
+    matrix, table = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(6, 4))
+    optimizer = MuonWithAdamW([matrix, table], lr=0.1, adamw_groups=[{"params": [table], "lr": 0.01}])
+    muon, adamw = optimizer._inner
+    assert [p for group in muon.param_groups for p in group["params"]] == [matrix]
+    assert [p for group in adamw.param_groups for p in group["params"]] == [table]
+    assert adamw.param_groups[0]["lr"] == 0.01
 
 
 def test_markov_loss_weight_mixes_backbone_and_corrected_losses(tiny_data, tmp_path):

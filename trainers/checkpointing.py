@@ -131,7 +131,14 @@ class PickleFreeCheckpoints(Trainer):
         refuse_pickle_checkpoint(checkpoint)
         optimizer, scheduler = load_state(checkpoint, OPTIMIZER_NAME), load_state(checkpoint, SCHEDULER_NAME)
         if optimizer is not None and scheduler is not None:
-            self.optimizer.load_state_dict(optimizer)
+            try:
+                self.optimizer.load_state_dict(optimizer)
+            except ValueError as err:
+                raise ValueError(
+                    f"The optimizer state of {checkpoint} has other parameter groups than this run's optimizer ({err}): "
+                    "it was written with other muon / markov_learning_rate / freeze_backbone settings. Resume with "
+                    f"the run's own settings, or start a new run from its weights (--drafter {checkpoint})."
+                ) from err
             self.lr_scheduler.load_state_dict(scheduler)
 
     def _load_scaler(self, checkpoint: str | None) -> None:

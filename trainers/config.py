@@ -80,11 +80,13 @@ class DFlashTrainingConfig(TrainingArguments):
         freeze_backbone (`bool`, defaults to `False`): Train the Markov head only; the drafter's backbone (`fc`,
             `hidden_norm`, layers, `norm`) stays as loaded. Needs a Markov head (`markov_rank`).
         markov_learning_rate (`float`, *optional*): Peak learning rate of the Markov head (`markov_head.*`), on the
-            same schedule as `learning_rate`, which then drives the backbone only; defaults to `learning_rate`. A
-            joint run onto a trained drafter gives the new head (starting at zero) a higher rate than the backbone
-            keeps. The head is always optimised by AdamW, with `muon` too (`markov_w1` is an embedding table).
+            same schedule as `learning_rate`, which then drives the backbone only (with `freeze_backbone` this is the
+            one rate that applies); defaults to `learning_rate`. A joint run onto a trained drafter gives the new head
+            (starting at zero) a higher rate than the backbone keeps. The head is optimised by the Trainer's optimizer
+            (AdamW by default), and by AdamW under `muon` (`markov_w1` is an embedding table).
         muon (`bool`, defaults to `False`): Optimise the drafter's 2-D weight matrices with `torch.optim.Muon`
-            (learning rate matched to AdamW's update RMS) and the rest (norms, a Markov head) with AdamW.
+            (learning rate matched to AdamW's update RMS) and the rest (norms, a Markov head) with AdamW. With
+            `freeze_backbone` no backbone matrix trains, so the head gets the Trainer's optimizer.
         max_train_samples (`int`, *optional*): Train on the first N rows of the training data only (ablations on a
             subset of a cached dataset); counted from `skip_train_samples`. Offline features need to cover only
             these rows, so a run can start while `cache-features` is still working through the rest.

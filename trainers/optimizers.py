@@ -2,8 +2,9 @@
 
 Muon orthogonalises the momentum of matrix parameters and is only defined for 2-D tensors; norms (1-D) stay on AdamW.
 Muon's learning rate is adjusted to match AdamW's update RMS (`adjust_lr_fn="match_rms_adamw"`), so one learning
-rate and one schedule drive both. The Trainer's scheduler and checkpointing see an ordinary optimizer: its
-`param_groups` are the two inner optimizers' groups, and its state dict holds both.
+rate and one schedule drive both; `adamw_groups` puts further parameters (embedding tables such as a Markov head's)
+on AdamW with their own settings. The Trainer's scheduler and checkpointing see an ordinary optimizer: its
+`param_groups` are the inner optimizers' groups, and its state dict holds both.
 
 `torch.optim.Muon` orthogonalises in bfloat16. On a CPU without native bf16 (no AMX / AVX512-BF16) a bf16 matmul is
 emulated, several times slower than fp32 (the trainer's warning about bf16 autocast there gives the figure); there the
@@ -66,10 +67,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
         """`newton_schulz_float32`: orthogonalise Muon's updates in float32 instead of torch's bfloat16 (see
         `newton_schulz_float32_pays`). `adamw_groups`: further parameter groups (torch's `{"params": ..., "lr": ...}`
         dicts) that AdamW optimises whatever their shape, such as embedding tables, which Muon is not meant for."""
-        params = [p for p in params if p.requires_grad]
-        self.newton_schulz_float32 = newton_schulz_float32
         extra = [{**group, "params": [p for p in group["params"] if p.requires_grad]} for group in adamw_groups]
         extra = [group for group in extra if group["params"]]
+        in_groups = {id(p) for group in extra for p in group["params"]}
+        params = [p for p in params if p.requires_grad and id(p) not in in_groups]  # each parameter is updated once
+        self.newton_schulz_float32 = newton_schulz_float32
         matrices = [p for p in params if p.ndim == 2]
         others = [p for p in params if p.ndim != 2]
         if not matrices:

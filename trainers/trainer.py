@@ -151,12 +151,13 @@ def _freeze_backbone(model: DFlashDraftModel) -> None:
 
 def _move_to_own_group(optimizer: torch.optim.Optimizer, parameter_ids: set[int], lr: float) -> None:
     """Before the first step: move the parameters `parameter_ids` names out of `optimizer`'s groups into groups of
-    their own (same settings otherwise) at learning rate `lr`."""
+    their own (same settings otherwise) at learning rate `lr`; groups left empty are dropped."""
     for group in list(optimizer.param_groups):
         moved = [p for p in group["params"] if id(p) in parameter_ids]
         if moved:
             group["params"] = [p for p in group["params"] if id(p) not in parameter_ids]
             optimizer.add_param_group({**group, "params": moved, "lr": lr})
+    optimizer.param_groups[:] = [group for group in optimizer.param_groups if group["params"]]
 
 
 def _training_dataset(train_dataset, args: DFlashTrainingConfig, model: DFlashDraftModel):
@@ -333,15 +334,16 @@ class DFlashTrainer(PickleFreeCheckpoints):
         return step.context_hidden_states, step.last_hidden_state
 
     def create_optimizer(self, model=None):
-        """AdamW (the Trainer's), or with `muon=True` Muon for the backbone's 2-D weight matrices and AdamW for the
-        rest; a Markov head is always on AdamW, at `markov_learning_rate` where given."""
+        """The Trainer's optimizer (AdamW by default), or with `muon=True` Muon for the backbone's 2-D weight matrices
+        and AdamW for the rest; a Markov head is on AdamW under `muon`, at `markov_learning_rate` where given."""
         if self.optimizer is not None:
             return self.optimizer
-        head = [] if self.model.markov_head is None else list(self.model.markov_head.parameters())
+        head = {} if self.model.markov_head is None else {id(p): p for p in self.model.markov_head.parameters()}
         head_lr = self.args.markov_learning_rate or self.args.learning_rate
-        head_ids = {id(p) for p in head}
-        backbone = [p for p in self.model.parameters() if p.requires_grad and id(p) not in head_ids]
+        backbone = [p for p in self.model.parameters() if p.requires_grad and id(p) not in head]
         if self.args.muon and any(p.ndim == 2 for p in backbone):
+            decay = self.get_decay_parameter_names(self.model)
+            names = {id(p): name for name, p in self.model.named_parameters()}
             self.optimizer = MuonWithAdamW(
                 backbone,
                 lr=self.args.learning_rate,
@@ -349,12 +351,16 @@ class DFlashTrainer(PickleFreeCheckpoints):
                 betas=(self.args.adam_beta1, self.args.adam_beta2),
                 eps=self.args.adam_epsilon,
                 newton_schulz_float32=newton_schulz_float32_pays(self.args.device),
-                adamw_groups=[{"params": head, "lr": head_lr}],
+                adamw_groups=[
+                    {"params": [p for i, p in head.items() if (names[i] in decay) == decays], "lr": head_lr}
+                    | ({} if decays else {"weight_decay": 0.0})
+                    for decays in (True, False)
+                ],
             )
             return self.optimizer
         super().create_optimizer(model) if model is not None else super().create_optimizer()
         if head_lr != self.args.learning_rate:
-            _move_to_own_group(self.optimizer, head_ids, head_lr)
+            _move_to_own_group(self.optimizer, set(head), head_lr)
         return self.optimizer
 
     def dflash_loss(

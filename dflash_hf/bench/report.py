@@ -111,7 +111,7 @@ def benchmark_table(result: BenchResult | dict[str, Any] | str | os.PathLike) ->
     by_benchmark = document.get("by_benchmark")
     if not by_benchmark:
         return None
-    names = list(next(iter(by_benchmark.values())))
+    names = list(_benchmark_cells(by_benchmark))
     lines = [
         "| Method | " + " | ".join(f"{name} tau" for name in names) + " | mean tau | tokens/s | speedup |",
         "|---|" + "---:|" * (len(names) + 3),
@@ -189,14 +189,21 @@ def render_markdown(
         plots_prefix = str(Path(result).parent) if isinstance(result, (str, os.PathLike)) else "."
     prefix = plots_prefix.rstrip("/") + "/" if plots_prefix not in ("", ".") else ""
     settings, hardware = document["settings"], document["hardware"]
-    prompts = settings.get("prompt_set") or {}
-    source = prompts.get("description", settings.get("prompts", "custom prompts"))
+    source = _prompt_source(settings)
     lengths = [p["prompt_tokens"] for p in document.get("prompts", [])]
     if lengths:
         source += f" ({min(lengths)}-{max(lengths)} prompt tokens)"
     drafter = drafter_name(str(settings.get("drafter", "given")))
     drafter = (
         f"the bundled drafter `{drafter}`" if drafter.startswith("dflash_hf/bundled/") else f"the drafter `{drafter}`"
+    )
+    compared = settings.get("compared_drafters") or {}
+    others = (
+        " Rows tagged [NAME] run the engine with another drafter: "
+        + "; ".join(f"[{name}] `{drafter_name(str(folder))}`" for name, folder in compared.items())
+        + "."
+        if compared
+        else ""
     )
     decoding = "greedy"
     if any(method.get("sampled") for method in document["methods"]):
@@ -207,7 +214,7 @@ def render_markdown(
         f"{settings.get('target', settings.get('target_model_type'))} with {drafter} "
         f"(trained block size {settings['drafter_block_size']}): "
         f"{settings['num_prompts']} prompts of {source}, {decoding}, at most {settings['max_new_tokens']} new tokens, "
-        f"batch 1, {settings.get('precision') or settings['dtype']}.",
+        f"batch 1, {settings.get('precision') or settings['dtype']}.{others}",
         "",
         markdown_table(document).rstrip("\n"),
         "",
@@ -241,72 +248,87 @@ def drafter_name(drafter: str) -> str:
     return f"dflash_hf/bundled/{inside[1]}" if len(inside) == 2 else drafter
 
 
-def card_metrics(result: BenchResult | dict[str, Any] | str | os.PathLike) -> list[dict[str, Any]]:
+def card_metrics(
+    result: BenchResult | dict[str, Any] | str | os.PathLike, tag: str | None = None
+) -> list[dict[str, Any]]:
     """A bench run as rows of a model card's results table (`dflash-hf export --metrics bench.json`): one per greedy
-    method that speculated with the run's own drafter (not plain greedy, prompt lookup, sampled rows or the
-    `--compare-drafter` rows), per benchmark in a run of several prompt sets, with the prompts, precision,
-    exactness, host and date."""
+    method that speculated with one drafter of the run (the run's own, or with `tag` the `--compare-drafter` one of
+    that name), per benchmark in a run of several prompt sets, with the prompts, precision, exactness, host and
+    date. Plain greedy, prompt lookup and sampled rows are left out."""
     document = as_document(result)
     settings, hardware = document["settings"], document["hardware"]
     by_benchmark = document.get("by_benchmark")
     if by_benchmark:  # one row per benchmark and method
-        groups = [(name, cell["prompts"]) for name, cell in next(iter(by_benchmark.values())).items()]
+        groups = [(name, cell["prompts"]) for name, cell in _benchmark_cells(by_benchmark).items()]
     else:
-        prompt_set = settings.get("prompt_set") or {}
-        groups = [(prompt_set.get("description", settings.get("prompts", "custom prompts")), settings["num_prompts"])]
+        groups = [(_prompt_source(settings), settings["num_prompts"])]
     benchmark_of = [prompt.get("benchmark") for prompt in document["prompts"]]
+    suffix = "" if tag is None else f"@{tag}"
     rows = []
     for method in document["methods"]:
-        summary = method["summary"]
-        if method["name"] in ("greedy", KERNEL_BASELINE, "prompt_lookup") or "@" in method["name"]:
+        summary, name = method["summary"], method["name"]
+        if not name.endswith(suffix) or (tag is None and "@" in name):
             continue
-        if summary["exact"] is None or summary["tau"] is None:
+        if name.removesuffix(suffix) in ("greedy", KERNEL_BASELINE, "prompt_lookup") or summary["exact"] is None:
             continue
+        label = method["label"].removesuffix(f" [{tag}]")
         block = (
             f"{method['block_size']}, Transformers' native path"
-            if method["name"] == "native_dflash"
-            else method["label"].removeprefix("dflash-hf ").removeprefix("B=")
+            if name == "native_dflash"
+            else label.removeprefix("dflash-hf ").removeprefix("B=")
         )
-        for name, used in groups:
-            cell = by_benchmark[method["name"]][name] if by_benchmark else summary
+        for benchmark, used in groups:
+            cell = by_benchmark[name][benchmark] if by_benchmark else summary
             if cell["tau"] is None or not cell["speedup"]:
                 continue
-            exact = not any(by_benchmark is None or benchmark_of[i] == name for i in summary["mismatched_prompts"])
+            exact = not any(by_benchmark is None or benchmark_of[i] == benchmark for i in summary["mismatched_prompts"])
             rows.append(
                 {
-                    "benchmark": f"{name}, {used} prompt{'' if used == 1 else 's'}, {settings['max_new_tokens']} "
-                    f"new tokens, greedy "
-                    f"{settings['dtype']}, exact={exact}",
+                    "benchmark": f"{benchmark}, {used} prompt{'' if used == 1 else 's'}, "
+                    f"{settings['max_new_tokens']} new tokens, greedy {settings['dtype']}, exact={exact}",
                     "block_size": block,
                     "tau": round(cell["tau"], 2),
                     "speedup": round(cell["speedup"], 2),
-                    "hardware": hardware_summary(hardware),
+                    "hardware": f"{_cpu(hardware)}{_gpu(hardware)}, {hardware['torch_threads']} threads, "
+                    f"torch {hardware['torch']}{_mkl(hardware)}",
                     "date": document["date"][:10],
                 }
             )
     return rows
 
 
-def hardware_summary(hardware: dict[str, Any]) -> str:
-    """The host in a few words: CPU (and its vector ISA and native bf16 where recorded), threads, torch, MKL mode."""
-    gpu = f", GPU {hardware['gpu']}" if hardware.get("gpu") else ""
-    mkl = f", {hardware['mkl']}" if hardware.get("mkl") and hardware.get("device") == "cpu" else ""
-    return f"{_cpu(hardware)}{gpu}, {hardware['torch_threads']} threads, torch {hardware['torch']}{mkl}"
+def _benchmark_cells(by_benchmark: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """The per-benchmark cells of a run's first method: the benchmarks' names, in order, and their prompt counts."""
+    return next(iter(by_benchmark.values()))
+
+
+def _prompt_source(settings: dict[str, Any]) -> str:
+    """What a run's prompts were, as its settings describe them."""
+    return (settings.get("prompt_set") or {}).get("description", settings.get("prompts", "custom prompts"))
+
+
+def _gpu(hardware: dict[str, Any]) -> str:
+    """`, GPU <name>` for a run on a GPU, else empty."""
+    return f", GPU {hardware['gpu']}" if hardware.get("gpu") else ""
+
+
+def _mkl(hardware: dict[str, Any]) -> str:
+    """`, <MKL mode>` for a run on a CPU that recorded it, else empty."""
+    return f", {hardware['mkl']}" if hardware.get("mkl") and hardware.get("device") == "cpu" else ""
 
 
 def _cpu(hardware: dict[str, Any]) -> str:
-    """The CPU's model, with its vector ISA and native bf16 feature where the run recorded them."""
-    isa = [hardware[key] for key in ("cpu_capability", "native_bf16") if hardware.get(key)]
+    """The CPU's model, with torch's CPU kernel level and native bf16 feature where the run recorded them."""
+    isa = [f"{hardware['cpu_capability']} kernels"] if hardware.get("cpu_capability") else []
+    isa += [hardware["native_bf16"]] if hardware.get("native_bf16") else []
     return f"{hardware['cpu']} ({', '.join(isa)})" if isa else hardware["cpu"]
 
 
 def hardware_line(hardware: dict[str, Any]) -> str:
     """The `Hardware: ...` line of a report: CPU, threads, device (GPU, MKL mode on CPU) and library versions."""
-    gpu = f", GPU {hardware['gpu']}" if hardware.get("gpu") else ""
-    mkl = f", {hardware['mkl']}" if hardware.get("mkl") and hardware.get("device") == "cpu" else ""
     return (
         f"Hardware: {_cpu(hardware)} ({hardware['torch_threads']} torch threads of {hardware['cpus_available']} "
-        f"CPUs available{gpu}, device {hardware['device']}{mkl}); torch {hardware['torch']}, transformers "
+        f"CPUs available{_gpu(hardware)}, device {hardware['device']}{_mkl(hardware)}); torch {hardware['torch']}, transformers "
         f"{hardware['transformers']}, Python {hardware['python']}."
     )
 

@@ -30,7 +30,7 @@ def load_models(
     from ..engine import row_exact
     from ..precision import measured_choice
     from ..runtime import inference_dtype
-    from ..targets import cache_dir, load_target
+    from ..targets import cache_dir, load_drafter, load_target
 
     verify_tokens = max_block if verify_tokens is None else verify_tokens
     bars = hf_logging.is_progress_bar_enabled()
@@ -48,17 +48,6 @@ def load_models(
         if bars:
             hf_logging.enable_progress_bar()
     return model, tokenizer, drafter, f"{str(model.dtype).replace('torch.', '')} ({reason})"
-
-
-def load_drafter(drafter_dir: Path, target):
-    """The drafter of `drafter_dir` in `target`'s dtype on its device, in eval mode; a `ValueError` (the command's one
-    error line) when it was built for another target."""
-    from ..engine.adapters import check_built_for
-    from ..modeling import DFlashDraftModel
-
-    drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=target.dtype).to(target.device).eval()
-    check_built_for(drafter.config, target)
-    return drafter
 
 
 def add_tap_arguments(parser: argparse.ArgumentParser) -> None:

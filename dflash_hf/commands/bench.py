@@ -17,14 +17,13 @@ from pathlib import Path
 
 from .. import bench
 from ..modeling import DFlashConfig
-from ..targets import resolve_drafter_dir
+from ..targets import load_drafter, resolve_drafter_dir
 from . import (
     add_cpu_arguments,
     add_model_arguments,
     comma_separated_floats,
     comma_separated_ints,
     device_of,
-    load_drafter,
     load_models,
     setup_cpu,
 )
@@ -288,6 +287,26 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--compare-drafter names must differ (they tag the rows), got {names}.")
 
 
+def _compared_drafters(args: argparse.Namespace) -> dict[str, Path]:
+    """The `--compare-drafter` folders by name, each checked before any model loads: a drafter folder, with a
+    trained block size that some `--block-sizes` value fits."""
+    compared = {}
+    for name, folder in args.compare_drafter:
+        if not (folder / "config.json").is_file():
+            raise ValueError(
+                f"--compare-drafter {name}={folder}: no DFlash drafter there (no config.json); pass a folder saved by "
+                "`dflash-hf train` or `DFlashDraftModel.save_pretrained`."
+            )
+        compared[name] = resolve_drafter_dir(args.target, folder)
+        trained = int(DFlashConfig.from_pretrained(folder).block_size)
+        if not any(size <= trained for size in args.block_sizes):
+            raise ValueError(
+                f"--compare-drafter {name}={folder}: none of the block sizes {args.block_sizes} fits its trained block "
+                f"size {trained}; add a block size <= {trained} to --block-sizes."
+            )
+    return compared
+
+
 def _llama_cpp(args: argparse.Namespace, drafter, prompts, tokenizer, threads: int) -> dict:
     """llama.cpp's rows on the bench prompts (the drafter exported as GGUF into a temporary folder, against the GGUF
     llama.cpp serves) and the target's forward costs."""
@@ -340,9 +359,9 @@ def run(args: argparse.Namespace) -> int:
     device = device_of(args.device)
     threads = setup_cpu(args, device)
 
-    compared = {name: resolve_drafter_dir(args.target, folder) for name, folder in args.compare_drafter}
+    compared = _compared_drafters(args)
     trained = [int(DFlashConfig.from_pretrained(d).block_size) for d in (drafter_dir, *compared.values())]
-    max_block = max(trained)  # no method verifies a larger block
+    max_block = trained[0]  # the block the main drafter's cycle runs (a measured --dtype auto verdict times it)
     widest = max(
         bench.widest_verify(
             args.block_sizes, size, not args.no_lookup_branch, args.lookup_tokens, not args.no_draft_tree

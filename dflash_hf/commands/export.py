@@ -11,6 +11,7 @@ from ..bench.run import BENCH_FORMAT
 from ..fileio import read_json
 from ..hub.export import EXPORT_FORMATS, export
 from ..hub.gguf import GGUF_TYPES
+from ..hub_cards import normalize_metrics
 from ..modeling import DFlashDraftModel
 from . import drafter_source
 
@@ -19,26 +20,46 @@ def _read_json(path: Path | None) -> Any:
     return None if path is None else read_json(path, "pass a JSON file (see `dflash-hf export --help`).")
 
 
-def _metrics(paths: list[Path] | None) -> list[Any] | None:
-    """The card's results rows from `--metrics` files: a `dflash-hf bench` run's `bench.json` gives one row per
-    speculative method (`bench.card_metrics`), any other file holds rows as `render_model_card` takes them."""
+def _metrics(paths: list[Path] | None, drafter: str) -> list[dict[str, Any]] | None:
+    """The card's results rows from `--metrics` files: a `dflash-hf bench` run's `bench.json` gives the rows of the
+    exported drafter (the run's `--drafter` or one of its `--compare-drafter`s: `bench.card_metrics`), any other
+    file holds rows as `render_model_card` takes them."""
     if not paths:
         return None
-    rows: list[Any] = []
+    rows: list[dict[str, Any]] = []
     for path in paths:
         document = _read_json(path)
         if isinstance(document, dict) and document.get("format") == BENCH_FORMAT:
-            rows += card_metrics(document)
-        elif isinstance(document, dict):
-            rows += document["results"] if "results" in document else [document]
+            rows += card_metrics(document, _bench_tag(document, drafter, path))
         else:
-            rows += document
+            rows += normalize_metrics(document)
     return rows
+
+
+def _bench_tag(document: dict[str, Any], drafter: str, path: Path) -> str | None:
+    """Which drafter of a bench run is `drafter`: `None` for the run's own, a `--compare-drafter` name; a
+    `ValueError` when the run did not measure it."""
+    settings = document["settings"]
+    measured = {None: settings.get("drafter"), **(settings.get("compared_drafters") or {})}
+    same = [tag for tag, folder in measured.items() if folder and _same_folder(folder, drafter)]
+    if not same:
+        raise ValueError(
+            f"--metrics {path} measured {', '.join(str(f) for f in measured.values() if f)}, not {drafter}: pass the "
+            "bench run of the drafter being exported (`dflash-hf bench --drafter DRAFTER`)."
+        )
+    return same[0]
+
+
+def _same_folder(a: str, b: str) -> bool:
+    """Whether two drafter names are the same folder (or the same Hub id)."""
+    if Path(a).exists() and Path(b).exists():
+        return Path(a).resolve() == Path(b).resolve()
+    return a == b
 
 
 def run(args: argparse.Namespace) -> int:
     """Run `export`; returns the exit code."""
-    metrics = _metrics(args.metrics)
+    metrics = _metrics(args.metrics, args.drafter)
     training = _read_json(args.training)
     drafter = DFlashDraftModel.from_pretrained(drafter_source(args.drafter))
     out_dir = export(
@@ -93,10 +114,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--metrics",
         type=Path,
-        nargs="+",
-        help="the card's results table: `dflash-hf bench` runs (their bench.json: a row per speculative method) "
-        "and/or JSON files of measured rows (tau, speedup, hardware, date; optional benchmark, block_size, "
-        "temperature)",
+        action="append",
+        help="the card's results table (repeatable): a `dflash-hf bench` run of this drafter (its bench.json: a row "
+        "per speculative method) or a JSON file of measured rows (tau, speedup, hardware, date; optional benchmark, "
+        "block_size, temperature)",
     )
     parser.add_argument("--training", type=Path, help="JSON object of recorded training facts for the card")
     parser.add_argument("--base-model", help="the target's Hub id for the card, when --target is a local folder")

@@ -235,6 +235,8 @@ def _data_name(folder: str, manifest: dict | None) -> str:
 
 def _training_facts(trainer, config, result, last: dict, wall: float, data: str) -> dict:
     """The recorded facts of a finished run (data, steps, recipe, wall time, final metrics) for the model card."""
+    from dflash_hf.trainers.optimizers import MuonWithAdamW
+
     facts = {
         "data": data,
         "samples": len(trainer.train_dataset),
@@ -252,7 +254,11 @@ def _training_facts(trainer, config, result, last: dict, wall: float, data: str)
         "distill_weight": config.distill_weight,
         "hard_labels": config.hard_labels,
         "init_from_target": config.init_from_target,
-        "optimizer": "muon+adamw" if config.muon else "adamw",
+        "optimizer": (
+            "muon+adamw"
+            if isinstance(getattr(trainer.optimizer, "optimizer", trainer.optimizer), MuonWithAdamW)
+            else getattr(config.optim, "value", str(config.optim))
+        ),
         "precision": "bf16 autocast" if config.bf16 else ("fp16 autocast" if config.fp16 else "fp32"),
         "wall_time_s": round(wall, 1),
         "final_train_loss": round(float(result.training_loss), 4),
@@ -264,7 +270,11 @@ def _training_facts(trainer, config, result, last: dict, wall: float, data: str)
 
         drafter_config = trainer.accelerator.unwrap_model(trainer.model).config
         facts["markov_head"] = f"rank {drafter_config.markov_rank}, {markov_head_type(drafter_config)}"
-        facts.update(markov_loss_weight=config.markov_loss_weight, freeze_backbone=config.freeze_backbone)
+        facts.update(
+            markov_loss_weight=config.markov_loss_weight,
+            freeze_backbone=config.freeze_backbone,
+            markov_learning_rate=config.markov_learning_rate or config.learning_rate,
+        )
     for key in ("accuracy", "acceptance_length", "acceptance_length_blockwise"):
         if key in last:
             facts[f"train_{key}"] = round(float(last[key]), 4)
