@@ -638,6 +638,7 @@ def test_cli_mismatch_exit_status(folders, tmp_path, capsys, monkeypatch):
         (["--llama-cpp", "no-such-bin"], "--llama-cpp no-such-bin holds no llama-server"),
         (["--llama-cpp-p-min", "1"], "--llama-cpp-p-min must lie in [0, 1), got 1.0"),
         (["--compare-drafter", "a=x", "--compare-drafter", "a=y"], "--compare-drafter names must differ"),
+        (["--skip", "greedy"], "--skip takes prompt_lookup, native_dflash, greedy_engine_kernels (comma-separated)"),
         (["--compare-drafter", "a=no-such-folder"], "--compare-drafter a=no-such-folder: no DFlash drafter there"),
     ],
 )

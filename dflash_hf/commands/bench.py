@@ -282,9 +282,35 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--llama-cpp {args.llama_cpp} holds no llama-server: pass llama.cpp's build/bin folder.")
     if not 0.0 <= args.llama_cpp_p_min < 1.0:
         raise ValueError(f"--llama-cpp-p-min must lie in [0, 1), got {args.llama_cpp_p_min}.")
+    unknown = {name for name in args.skip.split(",") if name} - set(SKIPPABLE)
+    if unknown:
+        raise ValueError(f"--skip takes {', '.join(SKIPPABLE)} (comma-separated), got {sorted(unknown)}.")
     names = [name for name, _ in args.compare_drafter]
     if len(set(names)) != len(names):
         raise ValueError(f"--compare-drafter names must differ (they tag the rows), got {names}.")
+
+
+SKIPPABLE = ("prompt_lookup", "native_dflash", "greedy_engine_kernels")
+
+
+def _methods(args: argparse.Namespace, target, drafter, compared: dict[str, Path]) -> list[bench.BenchMethod]:
+    """The run's rows: the default methods less `--skip`, the engine rows of each compared drafter, and the sampling
+    rows of `--temperatures`."""
+    engine = dict(
+        block_sizes=args.block_sizes,
+        adaptive=not args.no_adaptive,
+        lookup_branch=not args.no_lookup_branch,
+        lookup_tokens=args.lookup_tokens,
+        draft_tree=not args.no_draft_tree,
+    )
+    skipped = set(args.skip.split(","))
+    methods = bench.default_methods(target, drafter, prompt_lookup_num_tokens=args.prompt_lookup_tokens, **engine)
+    methods = [method for method in methods if method.name not in skipped]
+    for name, folder in compared.items():
+        methods += bench.drafter_methods(target, load_drafter(folder, target), name, **engine)
+    if args.temperatures:
+        methods += bench.sampling_methods(target, drafter, args.temperatures, args.sampling_block_size)
+    return methods
 
 
 def _compared_drafters(args: argparse.Namespace) -> dict[str, Path]:
@@ -378,36 +404,7 @@ def run(args: argparse.Namespace) -> int:
         min_prompt_tokens=args.min_prompt_tokens,
         prompts_dir=args.prompts_dir,
     )
-    methods = bench.default_methods(
-        target,
-        drafter,
-        block_sizes=args.block_sizes,
-        prompt_lookup_num_tokens=args.prompt_lookup_tokens,
-        adaptive=not args.no_adaptive,
-        lookup_branch=not args.no_lookup_branch,
-        lookup_tokens=args.lookup_tokens,
-        draft_tree=not args.no_draft_tree,
-    )
-    skipped = {name for name in args.skip.split(",") if name}
-    unknown = skipped - {"prompt_lookup", "native_dflash", "greedy_engine_kernels"}
-    if unknown:
-        raise ValueError(
-            f"--skip takes prompt_lookup, native_dflash and/or greedy_engine_kernels, got {sorted(unknown)}."
-        )
-    methods = [method for method in methods if method.name not in skipped]
-    for name, folder in compared.items():
-        methods += bench.drafter_methods(
-            target,
-            load_drafter(folder, target),
-            name,
-            block_sizes=args.block_sizes,
-            adaptive=not args.no_adaptive,
-            lookup_branch=not args.no_lookup_branch,
-            lookup_tokens=args.lookup_tokens,
-            draft_tree=not args.no_draft_tree,
-        )
-    if args.temperatures:
-        methods += bench.sampling_methods(target, drafter, args.temperatures, args.sampling_block_size)
+    methods = _methods(args, target, drafter, compared)
     result = bench.run_bench(
         target,
         drafter,
