@@ -338,12 +338,12 @@ class DFlashTrainer(PickleFreeCheckpoints):
         and AdamW for the rest; a Markov head is on AdamW under `muon`, at `markov_learning_rate` where given."""
         if self.optimizer is not None:
             return self.optimizer
-        head = {} if self.model.markov_head is None else {id(p): p for p in self.model.markov_head.parameters()}
+        head = {} if self.model.markov_head is None else dict(self.model.markov_head.named_parameters("markov_head"))
+        head_ids = {id(p) for p in head.values()}
         head_lr = self.args.markov_learning_rate or self.args.learning_rate
-        backbone = [p for p in self.model.parameters() if p.requires_grad and id(p) not in head]
+        backbone = [p for p in self.model.parameters() if p.requires_grad and id(p) not in head_ids]
         if self.args.muon and any(p.ndim == 2 for p in backbone):
             decay = self.get_decay_parameter_names(self.model)
-            names = {id(p): name for name, p in self.model.named_parameters()}
             self.optimizer = MuonWithAdamW(
                 backbone,
                 lr=self.args.learning_rate,
@@ -351,16 +351,19 @@ class DFlashTrainer(PickleFreeCheckpoints):
                 betas=(self.args.adam_beta1, self.args.adam_beta2),
                 eps=self.args.adam_epsilon,
                 newton_schulz_float32=newton_schulz_float32_pays(self.args.device),
-                adamw_groups=[
-                    {"params": [p for i, p in head.items() if (names[i] in decay) == decays], "lr": head_lr}
-                    | ({} if decays else {"weight_decay": 0.0})
-                    for decays in (True, False)
+                adamw_groups=[  # the Trainer's decay split, at the head's rate
+                    {"params": [p for name, p in head.items() if name in decay], "lr": head_lr},
+                    {
+                        "params": [p for name, p in head.items() if name not in decay],
+                        "lr": head_lr,
+                        "weight_decay": 0.0,
+                    },
                 ],
             )
             return self.optimizer
         super().create_optimizer(model) if model is not None else super().create_optimizer()
         if head_lr != self.args.learning_rate:
-            _move_to_own_group(self.optimizer, set(head), head_lr)
+            _move_to_own_group(self.optimizer, head_ids, head_lr)
         return self.optimizer
 
     def dflash_loss(
