@@ -46,18 +46,36 @@ def discard(path: str | os.PathLike) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def _private_folder(path: Path, suffix: str) -> Path:
+    """A new folder `.NAME.<random><suffix>` beside `path`, created exclusively and private to this user (mode 0700),
+    so no other entry planted in the parent folder (a link at a guessable name) is ever written through."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent))
+
+
+def _remove(path: Path) -> None:
+    """Delete a file, a link (never what it points to) or a folder."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
-    """Write the file `path` through its hidden sibling `.NAME.tmp`: `write(temporary)` fills it, it is flushed to
-    disk and renamed into place, so `path` is either absent, the old file or the complete new one."""
+    """Write the file `path` through a temporary file `NAME` inside a new private folder `.NAME.<random>.tmp` beside
+    it: `write(temporary)` fills it, it is flushed to disk and renamed into place, so `path` is either absent, the old
+    file or the complete new one. A link at `path` is replaced, never written through."""
     path = Path(path)
-    temporary = path.with_name(f".{path.name}.tmp")
+    folder = _private_folder(path, ".tmp")
+    temporary = folder / path.name
     try:
         write(temporary)
         with open(temporary, "rb") as handle:
             os.fsync(handle.fileno())
+        temporary.chmod(FILE_MODE)
         os.replace(temporary, path)
     finally:
-        temporary.unlink(missing_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -66,27 +84,27 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def atomic_write_folder(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
-    """Write the folder `path` through its hidden sibling `.NAME.partial`: `write(staging)` fills it, then it replaces
-    `path` (an old `path` is moved aside first and put back if the swap fails), so `path` is either absent, the old
-    folder or the complete new one. Leftovers of an interrupted earlier write are removed first."""
+    """Write the folder `path` through a new private staging folder beside it: `write(staging)` fills it, then it
+    replaces `path` (an old `path` is moved aside first and put back if the swap fails), so `path` is either absent,
+    the old folder or the complete new one. Leftovers of an interrupted earlier write are removed first."""
     path = Path(path)
-    staging = path.with_name(f".{path.name}.partial")
-    previous = path.with_name(f".{path.name}.previous")
-    for leftover in (staging, previous):
-        shutil.rmtree(leftover, ignore_errors=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging.mkdir()
+    remove_leftovers(path.parent, (f".{path.name}.*partial", f".{path.name}.*previous"))
+    staging = _private_folder(path, ".partial")
+    staging.chmod(0o777 & ~_umask())  # it becomes `path`: the mode of an ordinary new folder
+    holder = _private_folder(path, ".previous")
+    previous = holder / path.name
     try:
         write(staging)
-        if path.exists():
+        if path.exists() or path.is_symlink():
             os.replace(path, previous)
         os.replace(staging, path)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        if previous.exists() and not path.exists():
+        _remove(staging)
+        if (previous.exists() or previous.is_symlink()) and not path.exists():
             os.replace(previous, path)
         raise
-    shutil.rmtree(previous, ignore_errors=True)
+    finally:
+        _remove(holder)
 
 
 def path_inside(folder: str | os.PathLike, name: str, named_by: str, fix: str) -> Path:
@@ -115,8 +133,8 @@ def read_json(path: str | os.PathLike, fix: str) -> Any:
 
 
 def remove_leftovers(folder: str | os.PathLike, patterns: Iterable[str]) -> None:
-    """Delete the files of `folder` matching the glob `patterns`: temporary files of a killed earlier write."""
+    """Delete the entries of `folder` matching the glob `patterns` (files, links and the private folders of
+    [`atomic_write`]): temporary files of a killed earlier write."""
     for pattern in patterns:
         for leftover in Path(folder).glob(pattern):
-            if leftover.is_file() or leftover.is_symlink():
-                leftover.unlink()
+            _remove(leftover)

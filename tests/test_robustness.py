@@ -544,3 +544,26 @@ def test_atomic_folder_write_keeps_the_old_folder_on_failure_and_cleans_leftover
     assert sorted(p.name for p in folder.iterdir()) == ["b.txt"] and sorted(p.name for p in tmp_path.iterdir()) == [
         "out"
     ]
+
+
+@pytest.mark.parametrize("planted", [".d.gguf.tmp", "d.gguf"])
+def test_atomic_write_never_writes_through_a_planted_link(tmp_path, planted):
+    """A link planted beside the output (at the old fixed temporary name, or at the output's own name) is neither
+    written through nor kept: the victim is untouched and the output is a plain file."""
+    out, victim = tmp_path / "out", tmp_path / "victim"
+    out.mkdir()
+    victim.write_text("precious")
+    (out / planted).symlink_to(victim)
+    fileio.atomic_write_text(out / "d.gguf", "export")
+    assert victim.read_text() == "precious"
+    assert not (out / "d.gguf").is_symlink() and (out / "d.gguf").read_text() == "export"
+    assert stat.S_IMODE((out / "d.gguf").stat().st_mode) == FILE_MODE
+
+
+def test_atomic_folder_write_never_writes_through_planted_links(tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    for name in (".out.partial", ".out.previous"):
+        (tmp_path / name).symlink_to(victim)
+    fileio.atomic_write_folder(tmp_path / "out", lambda staging: (staging / "a.txt").write_text("new"))
+    assert not any(victim.iterdir()) and (tmp_path / "out" / "a.txt").read_text() == "new"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from testing_utils import make_drafter, make_oracle, make_target, make_tokenizer, strip
 from tokenizers import decoders
-from transformers import WatermarkingConfig
+from transformers import StoppingCriteria, StoppingCriteriaList, WatermarkingConfig
 from transformers.generation.logits_process import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
@@ -238,6 +238,63 @@ def test_stop_strings_with_the_tokenizer_stop_as_plain_generate_does(target):
     kwargs = dict(max_new_tokens=MAX_NEW, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
     plain = target.generate(ids, attention_mask=mask, **kwargs)
     ours = dflash_hf.generate(target, _oracle_for(target, free), ids, attention_mask=mask, **kwargs)
+    assert torch.equal(ours, plain)
+
+
+class _PerRowBudget(StoppingCriteria):
+    """Row i may generate `budget[i]` new tokens; records the batch shape of every call."""
+
+    def __init__(self, start: int, budget: list[int]) -> None:
+        self.start, self.budget, self.shapes = start, torch.tensor(budget), []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.shapes.append(tuple(input_ids.shape))
+        return (input_ids.shape[1] - self.start) >= self.budget
+
+
+class _StopWhenRowZeroSees(StoppingCriteria):
+    """Every row stops once row 0 holds `token` (a criterion that reads across rows)."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids[0] == self.token).any().expand(input_ids.shape[0])
+
+
+@pytest.mark.parametrize("candidates", ["dflash", "dflash+lookup", "tree"])
+@pytest.mark.parametrize("budget", [[12, 3], [3, 12], [1, 16], [7, 7]])
+def test_batch_stopping_criteria_are_called_on_the_whole_batch(target, budget, candidates):
+    ids, mask = _batch()
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False)
+    plain_criterion, ours_criterion = _PerRowBudget(9, budget), _PerRowBudget(9, budget)
+    kwargs = dict(max_new_tokens=MAX_NEW, do_sample=False)
+    plain = target.generate(ids, attention_mask=mask, stopping_criteria=StoppingCriteriaList([plain_criterion]), **kwargs)
+    ours = dflash_hf.generate(
+        target,
+        _oracle_for(target, free),
+        ids,
+        attention_mask=mask,
+        stopping_criteria=StoppingCriteriaList([ours_criterion]),
+        candidates=candidates,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
+    assert torch.equal(ours.sequences, plain)
+    assert {shape[0] for shape in ours_criterion.shapes} == {2}  # the whole batch, never a row alone
+    for row, accepted in enumerate(ours.accepted_lengths):  # tokens drafted past a stop leave the statistics
+        assert 1 + sum(accepted) == len(strip(plain[row])) - int(mask[row].sum())  # the prefill gives the first
+
+
+def test_a_criterion_reading_other_rows_stops_as_in_plain_generate(target):
+    ids, mask = _batch()
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False)
+    token = int(free[0, 9 + 5])
+    kwargs = dict(max_new_tokens=MAX_NEW, do_sample=False)
+    plain = target.generate(ids, attention_mask=mask, stopping_criteria=[_StopWhenRowZeroSees(token)], **kwargs)
+    ours = dflash_hf.generate(
+        target, _oracle_for(target, free), ids, attention_mask=mask, stopping_criteria=[_StopWhenRowZeroSees(token)], **kwargs
+    )
     assert torch.equal(ours, plain)
 
 

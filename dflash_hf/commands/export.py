@@ -93,7 +93,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--target",
         required=True,
-        help="the target: named (smollm2-135m, gemma3-270m; its Hub id goes into the card), Hub id or local folder "
+        help="the target: named (see `dflash-hf generate --help`; its Hub id goes into the card), Hub id or local folder "
         "(only its config is read, except for --format speculators); for --format gguf: named, or the target's "
         ".gguf file (its tokenizer and LM head rows go into the drafter's file)",
     )

@@ -19,7 +19,7 @@ def register(subparsers) -> None:
             "plus manifest.json. Rerun the same command to resume."
         ),
     )
-    parser.add_argument("--target", required=True, help="Named target (smollm2-135m, gemma3-270m), folder or Hub id.")
+    parser.add_argument("--target", required=True, help="Named target (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, ...), folder or Hub id.")
     parser.add_argument("--prompts", default="sharegpt", help="'sharegpt' (default) or a .json/.jsonl/datasets folder.")
     parser.add_argument("--out", required=True, help="Output folder (resumed if it exists).")
     parser.add_argument("--max-samples", type=int, default=None, help="Stop after this many training samples.")
@@ -35,6 +35,13 @@ def register(subparsers) -> None:
         default=1,
         help="Prompt with each conversation's N-th user turn, after the conversation before it as the source wrote it "
         "(default: 1, the first; conversations with fewer turns are skipped; row ids end in #turnN).",
+    )
+    parser.add_argument(
+        "--prompt-order",
+        choices=("source", "coding-first"),
+        default="source",
+        help="source: the source's order (default); coding-first: the coding requests first (for code models; "
+        "with --max-samples the set is then mostly coding requests).",
     )
     parser.add_argument(
         "--responses",
@@ -80,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         held_out_fraction=args.held_out_fraction,
         seed=args.seed,
         turn=args.turn,
+        prompt_order=args.prompt_order,
         use_chat_template=False if args.no_chat_template else None,
         responses=args.responses,
         features_dir=args.features_out,

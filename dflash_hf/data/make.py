@@ -26,6 +26,7 @@ import gzip
 import itertools
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,7 +40,7 @@ from ..fileio import atomic_write, atomic_write_folder, atomic_write_text, remov
 from ..special_tokens import first_token_id, token_ids
 from .batching import pad
 from .capture import FeatureRecorder
-from .prompts import DEFAULT_SOURCE, MANIFEST_NAME, Prompt, encode_prompt, load_prompts
+from .prompts import DEFAULT_SOURCE, MANIFEST_NAME, PROMPT_ORDERS, Prompt, encode_prompt, load_prompts, ordered
 
 SETTINGS_NAME = "settings.json"
 
@@ -117,8 +118,17 @@ def read_parts(parts_dir: Path) -> list[dict]:
     return records
 
 
+def next_part_number(parts_dir: Path) -> int:
+    """The number after the highest finished part's (a missing part's number is never given again)."""
+    numbers = [int(match.group(1)) for part in part_files(parts_dir) if (match := re.match(r"part-(\d+)\.", part.name))]
+    return max(numbers, default=-1) + 1
+
+
 def write_part(path: Path, records: list[dict]) -> None:
-    """Write one finished part atomically, gzipped with a fixed header (the same records give the same bytes)."""
+    """Write one finished part atomically, gzipped with a fixed header (the same records give the same bytes); parts
+    are append-only, so an existing part is never replaced."""
+    if path.exists() or path.is_symlink():
+        raise ValueError(f"{path} exists: make-data parts are append-only and never rewritten; move it away to retry.")
     data = "".join(json.dumps(r) + "\n" for r in records).encode("utf-8")
     atomic_write(path, lambda temporary: temporary.write_bytes(gzip.compress(data, mtime=0)))
 
@@ -198,7 +208,7 @@ def _write_parts(
 ) -> int:
     """Make responses (`respond(batch)`) batch by batch, each batch written as a new part (after its features, with a
     `recorder`), until `done` holds `goal` records (or the prompts run out); returns how many records were made."""
-    part_no = len(part_files(parts))
+    part_no = next_part_number(parts)
     generated = 0
     with tqdm(total=goal, initial=min(len(done), goal), desc="make-data", unit="sample", disable=not progress) as bar:
         while len(done) < goal:
@@ -260,6 +270,7 @@ def make_data(
     held_out_fraction: float = 0.01,
     seed: int = 0,
     turn: int = 1,
+    prompt_order: str = "source",
     use_chat_template: bool | None = None,
     responses: str = "regenerate",
     features_dir: str | os.PathLike | None = None,
@@ -274,7 +285,8 @@ def make_data(
     `responses="source"` keeps the source's own replies (teacher-forced data, cut to `max_new_tokens` and closed with
     the target's end-of-turn token) instead of generating; prompts without a reply are skipped. `turn=N` prompts with
     each conversation's N-th user turn after the conversation before it as the source wrote it (more prompts from
-    the same source; their ids end in `#turnN`). With `features_dir`
+    the same source; their ids end in `#turnN`). `prompt_order="coding-first"` makes the coding requests first
+    (`prompts.is_coding_request`), for code-model targets. With `features_dir`
     the tapped features of `target_layer_ids` (and with `final_hidden` the final hidden states) of every row are
     stored there as the rows are made (`dflash_hf.data.capture`), in the format of `dflash-hf cache-features`."""
     # one sequence (check, read prompts and finished parts, make the missing rows, publish); the signature and the
@@ -283,7 +295,10 @@ def make_data(
     if use_chat_template is None:
         use_chat_template = bool(getattr(tokenizer, "chat_template", None))
     check_output_folder(out_dir)
+    if prompt_order not in PROMPT_ORDERS:
+        raise ValueError(f"prompt_order must be one of {PROMPT_ORDERS}, got {prompt_order!r}.")
     train, held, counts = load_prompts(source, held_out_fraction, seed, turn)
+    train = ordered(train, prompt_order)
     out = Path(out_dir)
     (out / "parts").mkdir(parents=True, exist_ok=True)
     settings = {
@@ -299,6 +314,8 @@ def make_data(
     }
     if turn != 1:  # recorded only when set, so folders made before the option resume unchanged
         settings["turn"] = int(turn)
+    if prompt_order != "source":
+        settings["prompt_order"] = prompt_order
     _check_settings(out, settings)
     remove_leftovers(out / "parts", (".part-*.tmp",))  # of a part write that was killed
     done = read_parts(out / "parts")

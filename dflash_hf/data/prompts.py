@@ -347,6 +347,36 @@ def load_prompts(
     return train, held, counts
 
 
+# ------------------------------------------------------------------ ordering
+_CODE_MARKERS = re.compile(
+    r"```|\b(def|class|import|return|function|const|var|let|public|void|select|from|where)\b.*[(;{:=]|"
+    r"\b(python|javascript|typescript|java|c\+\+|c#|golang|rust|sql|html|css|php|ruby|kotlin|swift|bash|regex|"
+    r"code|script|function|program|algorithm|compile|debug|bug|api|json|class|method|array|database|query|"
+    r"django|react|node\.?js|pandas|numpy|leetcode)\b",
+    re.IGNORECASE,
+)
+
+
+def is_coding_request(text: str) -> bool:
+    """Whether a prompt asks about code: a code fence or code-like line, or a programming word (a heuristic used to
+    put coding requests first for code-model targets; it never drops a prompt)."""
+    return _CODE_MARKERS.search(text) is not None
+
+
+PROMPT_ORDERS = ("source", "coding-first")
+
+
+def ordered(prompts: list[Prompt], order: str) -> list[Prompt]:
+    """`prompts` in source order, or with `order="coding-first"` the coding requests first (each group in source
+    order)."""
+    if order not in PROMPT_ORDERS:
+        raise ValueError(f"prompt order must be one of {PROMPT_ORDERS}, got {order!r}.")
+    if order == "source":
+        return prompts
+    coding = [p for p in prompts if is_coding_request(p.text)]
+    return coding + [p for p in prompts if not is_coding_request(p.text)]
+
+
 # ------------------------------------------------------------------ encoding
 def encode_prompt(
     tokenizer: PreTrainedTokenizerBase,

@@ -165,6 +165,7 @@ class GenerationCall:
         self.tree_choice = LookupBranchChoice()
         self.stopping_criteria = stopping_criteria
         self.stop_token_ids = _plain_stop_token_ids(stopping_criteria)
+        self.judged = input_ids.shape[1]  # general criteria have judged the columns before this one
         self.streamer = streamer
         self.streamed = input_ids.shape[1]  # steps sent to the streamer end at this column
         self.mask_token_id = int(drafter.config.mask_token_id)
@@ -332,25 +333,52 @@ class GenerationCall:
     # ----------------------------------------------------------------------------------------------------------
     # emission
     def _emit(self, row: int, tokens: list[int]) -> int:
-        """Append `tokens` to `row` until a stopping criterion fires; returns how many were appended."""
+        """Append `tokens` to `row` (cut at the length limit, and with only EOS / max-length criteria at the first
+        EOS); returns how many were appended. Other criteria judge the rows later, column by column
+        ([`_judge_columns`])."""
         start = self.lengths[row]
         tokens = tokens[: self.max_length - start]
-        if self.stop_token_ids is not None:  # only max-length / EOS criteria: no per-token calls needed
+        stop = None
+        if self.stop_token_ids is not None:  # only max-length / EOS criteria: each row is judged alone, at once
             stop = next((i for i, token in enumerate(tokens) if token in self.stop_token_ids), None)
             if stop is not None:
                 tokens = tokens[: stop + 1]
-            self.sequences[row, start : start + len(tokens)] = torch.tensor(tokens, device=self.device)
-            self.lengths[row] = start + len(tokens)
-            self.finished[row] = stop is not None or self.lengths[row] >= self.max_length
-        else:
-            for token in tokens:
-                self.sequences[row, self.lengths[row]] = token
-                self.lengths[row] += 1
-                sequence = self.sequences[row : row + 1, : self.lengths[row]]
-                if self.lengths[row] >= self.max_length or bool(self.stopping_criteria(sequence, None)[0]):
-                    self.finished[row] = True
-                    break
+        self.sequences[row, start : start + len(tokens)] = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        self.lengths[row] = start + len(tokens)
+        self.finished[row] = stop is not None or self.lengths[row] >= self.max_length
         return self.lengths[row] - start
+
+    def _judge_columns(self) -> None:
+        """Call general stopping criteria as plain `generate` does: once per generated column, on the whole batch
+        (rows that stopped padded), for every column all running rows have reached. A row found stopped at a column
+        loses the tokens it drafted past it (its statistics too)."""
+        if self.stop_token_ids is not None:
+            return
+        while True:
+            running = [row for row in range(self.batch) if not self.finished[row]]
+            if not running or self.judged >= min(self.lengths[row] for row in running):
+                return
+            column = self.judged
+            stops = self.stopping_criteria(self.sequences[:, : column + 1], None)
+            for row in running:
+                if bool(stops[row]):
+                    self._truncate(row, column + 1)
+            self.judged += 1
+
+    def _truncate(self, row: int, length: int) -> None:
+        """End `row` at `length` tokens: later tokens become padding and leave the per-cycle statistics."""
+        extra = self.lengths[row] - length
+        self.sequences[row, length:] = self.pad_token_id
+        self.lengths[row] = length
+        self.finished[row] = True
+        while extra > 0 and self.accepted_lengths[row]:
+            last = self.accepted_lengths[row][-1]
+            if last > extra:
+                self.accepted_lengths[row][-1] = last - extra
+                break
+            extra -= last
+            for statistic in (self.accepted_lengths, self.block_sizes, self.verify_widths):
+                statistic[row].pop()
 
     def _stream(self) -> None:
         """Send the streamer the steps every row has reached, as plain decoding sends them: one `(batch,)` tensor
@@ -392,6 +420,7 @@ class GenerationCall:
                 self.tree_choice.observe(cycle.lookup_choice, committed, seconds)
             if self.tree_search is not None:
                 self.tree_search.budget.observe(cycle.width, committed, seconds)
+            self._judge_columns()
             self._drop_finished(state)
             self._stream()
         if self.streamer is not None:
@@ -409,6 +438,7 @@ class GenerationCall:
             first = self._first_token(self.adapter.logits(step.last_hidden_state[:, -1]))
         for row, token in enumerate(first.tolist()):
             self._emit(row, [token])
+        self._judge_columns()
         state = _ActiveRows(
             rows=list(range(self.batch)),
             anchors=first,

@@ -55,6 +55,15 @@ def _full_attention_rope(rope_parameters: Any) -> dict | None:
     return None
 
 
+def real_token_count(tokenizer: Any) -> int:
+    """Number of the tokenizer's real tokens: ``len(tokenizer)`` less the trailing placeholders ``[PAD<id>]`` that
+    tokenizers read from a GGUF file list for the embedding's spare rows (Qwen2.5: ids 151665 and up)."""
+    count = len(tokenizer)
+    while count > 0 and tokenizer.convert_ids_to_tokens(count - 1) == f"[PAD{count - 1}]":
+        count -= 1
+    return count
+
+
 # Keys of the official (z-lab) Qwen3-style layout that have no meaning for `DFlashConfig`.
 _OFFICIAL_ONLY_KEYS = (
     "model_type",
@@ -318,9 +327,9 @@ class DFlashConfig(PreTrainedConfig):
         Every dimension (hidden size, heads, KV heads, head dim, intermediate size, activation, RoPE, vocab) is
         copied from the target, and `target_layer_ids` is always written out explicitly.
 
-        Mask token choice when `mask_token_id` is not given: the first embedding row past the tokenizer's ids when
-        a `tokenizer` is passed and the embedding has spare rows (Qwen3: 151669, the id of the official drafts);
-        otherwise the last embedding row (`vocab_size - 1`). The mask row only feeds the drafter's masked slots; a
+        Mask token choice when `mask_token_id` is not given: the first embedding row past the tokenizer's real
+        tokens ([`real_token_count`]) when a `tokenizer` is passed and the embedding has spare rows (Qwen3: 151669,
+        the id of the official drafts; Qwen2.5: 151665); otherwise the last embedding row (`vocab_size - 1`). The mask row only feeds the drafter's masked slots; a
         generated token that happens to have the same id is an ordinary token everywhere else.
         """
         text = _text_config(target_config)
@@ -329,7 +338,7 @@ class DFlashConfig(PreTrainedConfig):
             target_layer_ids = default_target_layer_ids(num_target_layers, num_target_features)
         vocab_size = int(text.vocab_size)
         if mask_token_id is None:
-            used = len(tokenizer) if tokenizer is not None else None
+            used = real_token_count(tokenizer) if tokenizer is not None else None
             mask_token_id = used if used is not None and used < vocab_size else vocab_size - 1
         num_heads = int(text.num_attention_heads)
         head_dim = getattr(text, "head_dim", None) or int(text.hidden_size) // num_heads
@@ -359,4 +368,11 @@ class DFlashConfig(PreTrainedConfig):
         return cls(**values)
 
 
-__all__ = ["MARKOV_HEAD_TYPES", "DFlashConfig", "default_target_layer_ids", "markov_fields", "markov_head_type"]
+__all__ = [
+    "MARKOV_HEAD_TYPES",
+    "DFlashConfig",
+    "default_target_layer_ids",
+    "markov_fields",
+    "markov_head_type",
+    "real_token_count",
+]

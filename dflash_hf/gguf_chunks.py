@@ -1,0 +1,142 @@
+"""GGUF files shipped on PyPI as plain byte chunks: one package a chunk, concatenated and checked before use.
+
+Such packages carry no checksum of their own, so a [`ChunkedGGUF`] pins every package version and the assembled
+file's size and sha256: [`ChunkedGGUF.assemble`] refuses a missing part, a part of another version and a file of the
+wrong size or hash, each with a `ValueError` naming the fix, and writes nothing under the final name unless it is
+the exact file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from .fileio import atomic_write
+
+
+@dataclass(frozen=True)
+class ChunkPart:
+    """One chunk package: its pip distribution, its import name and the chunk file inside it."""
+
+    distribution: str
+    module: str
+    file: str
+
+    def path(self) -> Path | None:
+        """The chunk file of the installed package (found without importing it), or `None` when it is missing."""
+        spec = importlib.util.find_spec(self.module)
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        path = Path(next(iter(spec.submodule_search_locations))) / self.file
+        return path if path.is_file() else None
+
+    def version(self) -> str | None:
+        try:
+            return importlib.metadata.version(self.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+
+@dataclass(frozen=True)
+class ChunkedGGUF:
+    """A GGUF file split over pinned chunk packages.
+
+    Attributes:
+        file_name: Name of the assembled file.
+        version: The version every chunk package must have.
+        parts: The chunks in file order.
+        size: Size in bytes of the assembled file.
+        sha256: Hex digest of the assembled file.
+        extra: The `dflash-hf` extra that installs the chunk packages (named in the error of a missing one).
+    """
+
+    file_name: str
+    version: str
+    parts: tuple[ChunkPart, ...]
+    size: int
+    sha256: str
+    extra: str
+
+    @classmethod
+    def numbered(
+        cls, file_name: str, distribution: str, module: str, count: int, version: str, size: int, sha256: str, extra: str
+    ) -> "ChunkedGGUF":
+        """Chunks `<distribution>N` (module `<module>N`, file `data/partNN.bin`) for N = 1..count."""
+        parts = tuple(ChunkPart(f"{distribution}{n}", f"{module}{n}", f"data/part{n:02d}.bin") for n in range(1, count + 1))
+        return cls(file_name, version, parts, size, sha256, extra)
+
+    def requirements(self) -> list[str]:
+        """The pinned requirements of the chunk packages (`name==version`)."""
+        return [f"{part.distribution}=={self.version}" for part in self.parts]
+
+    def _fix(self) -> str:
+        return f'install the pinned chunks: `pip install "dflash-hf[{self.extra}]"`'
+
+    def part_paths(self) -> list[Path]:
+        """The installed chunk files in order; a `ValueError` naming the first missing or mismatched package."""
+        paths = []
+        for number, part in enumerate(self.parts, start=1):
+            version = part.version()
+            path = part.path()
+            if path is None or version is None:
+                raise ValueError(
+                    f"Part {number} of {len(self.parts)} of {self.file_name} is missing (package `{part.distribution}`, "
+                    f"file {part.file}): {self._fix()}."
+                )
+            if version != self.version:
+                raise ValueError(
+                    f"Part {number} of {self.file_name} is `{part.distribution}` {version}, not the pinned "
+                    f"{self.version}: {self._fix()}."
+                )
+            paths.append(path)
+        return paths
+
+    def assemble(self, folder: str | os.PathLike, progress: bool = True) -> Path:
+        """Concatenate the chunks into `folder/file_name` after checking the result's size and sha256; returns the
+        path. An intact file already there is reused (its hash is checked again)."""
+        final = Path(folder) / self.file_name
+        if final.is_file() and final.stat().st_size == self.size and _sha256_of([final]) == self.sha256:
+            return final
+        paths = self.part_paths()
+        total = sum(path.stat().st_size for path in paths)
+        if total != self.size:
+            raise ValueError(
+                f"The chunks of {self.file_name} add up to {total:,} bytes, not {self.size:,}: a chunk is damaged; "
+                f"reinstall them: `pip install --force-reinstall \"dflash-hf[{self.extra}]\"`."
+            )
+        digest = _sha256_of(paths, desc=f"Checking {self.file_name}" if progress else None)
+        if digest != self.sha256:
+            raise ValueError(
+                f"The chunks of {self.file_name} assemble to sha256 {digest}, not {self.sha256}: a chunk is damaged "
+                f"or of another upload; reinstall them: `pip install --force-reinstall \"dflash-hf[{self.extra}]\"`."
+            )
+        final.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(final, lambda temporary: _concatenate(paths, temporary))
+        return final
+
+
+def _concatenate(paths: list[Path], destination: Path) -> None:
+    with destination.open("xb") as out:
+        for path in paths:
+            with path.open("rb") as chunk:
+                while block := chunk.read(1 << 22):
+                    out.write(block)
+
+
+def _sha256_of(paths: list[Path], desc: str | None = None) -> str:
+    """The sha256 of the files of `paths` read one after another (a progress bar when `desc` is given)."""
+    digest = hashlib.sha256()
+    total = sum(path.stat().st_size for path in paths)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=desc is None) as bar:
+        for path in paths:
+            with path.open("rb") as handle:
+                while block := handle.read(1 << 22):
+                    digest.update(block)
+                    bar.update(len(block))
+    return digest.hexdigest()
