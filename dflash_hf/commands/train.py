@@ -30,7 +30,9 @@ TRAIN_EXPORT_FORMATS = ("dflash-hf", "official")  # what `train` writes itself; 
 class DFlashScriptArguments:
     """What to train on: the target, the data and where the final drafter goes."""
 
-    target: str = field(metadata={"help": "Target: named (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, ...), a folder or a Hub id."})
+    target: str = field(
+        metadata={"help": "Target: named (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, ...), a folder or a Hub id."}
+    )
     data: str = field(
         metadata={
             "help": "A `dflash-hf make-data` folder (or a datasets folder with input_ids, loss_mask); several folders "

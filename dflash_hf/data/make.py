@@ -41,6 +41,7 @@ from ..special_tokens import first_token_id, token_ids
 from .batching import pad
 from .capture import FeatureRecorder
 from .prompts import DEFAULT_SOURCE, MANIFEST_NAME, PROMPT_ORDERS, Prompt, encode_prompt, load_prompts, ordered
+from .server import ServerResponder
 
 SETTINGS_NAME = "settings.json"
 
@@ -241,9 +242,12 @@ def _responder(
     responses: str,
     max_new_tokens: int,
     recorder: FeatureRecorder | None,
+    server: ServerResponder | None = None,
 ) -> Callable[[list[tuple[Prompt, list[int]]]], list[list[int]]]:
     """The response tokens of a batch of `(prompt, prompt ids)`: the target's greedy answers (recorded by `recorder`
-    when given), or the source's replies."""
+    when given, or made by a `server`), or the source's replies."""
+    if server is not None:
+        return lambda chunk: server([ids for _, ids in chunk])
     if responses == "source":
         eos = token_ids(target.generation_config.eos_token_id, getattr(tokenizer, "eos_token_id", None))
         end_id = eos[0] if eos else None
@@ -276,6 +280,7 @@ def make_data(
     features_dir: str | os.PathLike | None = None,
     target_layer_ids: list[int] | None = None,
     final_hidden: bool = True,
+    server: ServerResponder | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Regenerate responses with `target` for the train prompts of `source` into `out_dir`; returns this run's manifest
@@ -288,10 +293,17 @@ def make_data(
     the same source; their ids end in `#turnN`). `prompt_order="coding-first"` makes the coding requests first
     (`prompts.is_coding_request`), for code-model targets. With `features_dir`
     the tapped features of `target_layer_ids` (and with `final_hidden` the final hidden states) of every row are
-    stored there as the rows are made (`dflash_hf.data.capture`), in the format of `dflash-hf cache-features`."""
+    stored there as the rows are made (`dflash_hf.data.capture`), in the format of `dflash-hf cache-features`. With a
+    `server` ([`server.ServerResponder`]) the responses come from a running inference server serving the target
+    (checked against it first); `target` then only describes it ([`targets.load_target_shell`])."""
     # one sequence (check, read prompts and finished parts, make the missing rows, publish); the signature and the
     # docstring are a third of its length
     _check_arguments(responses, max_new_tokens, batch_size, max_samples, features_dir, target_layer_ids)
+    if server is not None and (responses != "regenerate" or features_dir is not None):
+        raise ValueError(
+            "A server regenerates responses only: drop --responses source and --features-out with --server."
+        )
+    served = server.check() if server is not None else None  # before anything is written
     if use_chat_template is None:
         use_chat_template = bool(getattr(tokenizer, "chat_template", None))
     check_output_folder(out_dir)
@@ -316,6 +328,8 @@ def make_data(
         settings["turn"] = int(turn)
     if prompt_order != "source":
         settings["prompt_order"] = prompt_order
+    if server is not None:  # a served model's greedy answers are its own (another engine, maybe quantized)
+        settings["responses_from"] = "server"
     _check_settings(out, settings)
     remove_leftovers(out / "parts", (".part-*.tmp",))  # of a part write that was killed
     done = read_parts(out / "parts")
@@ -336,7 +350,7 @@ def make_data(
         )
         recorder.start(done)
     started = time.time()
-    respond = _responder(target, tokenizer, responses, max_new_tokens, recorder)
+    respond = _responder(target, tokenizer, responses, max_new_tokens, recorder, server)
     generated = _write_parts(respond, out / "parts", encoded, done, goal, batch_size, progress, recorder)
 
     counts = {**counts, "generated_this_run": generated, "skipped_long_prompts": skipped["long"]}
@@ -346,6 +360,7 @@ def make_data(
         "max_samples": max_samples,
         "batch_size": batch_size,
         "features_dir": features_dir and str(features_dir),
+        **({"server": {**served, "concurrency": server.concurrency}} if served is not None else {}),
     }
     manifest = _manifest(settings, run_settings, counts, done, held)
     manifest["generation_seconds_this_run"] = round(time.time() - started, 2)
