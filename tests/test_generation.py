@@ -10,6 +10,7 @@ from testing_utils import (
     make_drafter,
     make_oracle,
     make_target,
+    strip,
 )
 from transformers import TextStreamer
 
@@ -184,26 +185,48 @@ def test_spec_generate_method_matches_function():
     )
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral"])
-def test_other_supported_families_are_lossless(family):
+def test_mistral_targets_are_lossless():
     from testing_utils import COMMON
-    from transformers import (
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+    from transformers import MistralConfig, MistralForCausalLM
 
-    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}[
-        family
-    ]
     torch.manual_seed(0)
-    target = model_cls(config_cls(**COMMON, tie_word_embeddings=False)).eval()
+    target = MistralForCausalLM(MistralConfig(**COMMON, tie_word_embeddings=False)).eval()
     input_ids = _prompt(9, 10)
     reference = greedy_reference(target, input_ids, max_new_tokens=MAX_NEW)
     for drafter in (make_drafter(target), make_oracle(target, [reference[0].tolist()])):
         assert torch.equal(dflash_hf.generate(target, drafter, input_ids, max_new_tokens=MAX_NEW), reference)
         assert torch.equal(_native(target, drafter, input_ids), reference)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied head", "tied head"])
+@pytest.mark.parametrize("candidates", ["dflash", "dflash+lookup", "tree"])
+def test_qwen2_shaped_targets_are_exact_on_every_candidate_shape(tied, candidates):
+    """Qwen2.5's shape (q/k/v biases, a separate or a tied LM head) in a padded batch, fixed and adaptive blocks:
+    every candidate shape's greedy output is plain greedy's (and the native path's, for one row)."""
+    target = make_target("qwen2", tie_word_embeddings=tied)
+    assert target.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0
+    assert (target.lm_head.weight is target.model.embed_tokens.weight) == tied
+    ids = torch.cat([_prompt(3, 11), _prompt(4, 11)])
+    mask = torch.ones_like(ids)
+    ids[1, :4], mask[1, :4] = 0, 0
+    reference = greedy_reference(target, ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    drafters = [make_drafter(target)]
+    if not tied:  # the oracle inverts the LM head; a tied one is the embedding, whose padding row is zero
+        drafters.append(make_oracle(target, [strip(row) for row in reference]))
+    for drafter in drafters:
+        for block_size in (None, "adaptive"):
+            ours = dflash_hf.generate(
+                target,
+                drafter,
+                ids,
+                attention_mask=mask,
+                max_new_tokens=MAX_NEW,
+                candidates=candidates,
+                block_size=block_size,
+            )
+            assert torch.equal(ours, reference)
+        native = _native(target, drafter, ids[:1])  # Transformers' assisted decoding takes one row
+        assert strip(native[0]) == strip(reference[0])
 
 
 def test_reduced_draft_vocabulary_is_lossless_and_drafts_inside_it():

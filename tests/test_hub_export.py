@@ -15,8 +15,13 @@ import dflash_hf
 from dflash_hf import DFlashDraftModel
 from dflash_hf.cli import main as cli_main
 
-FAMILY_TAGS = {"qwen3": "qwen", "llama": "llama", "gemma3": "gemma"}
-BASE_MODELS = {"qwen3": "Qwen/Qwen3-8B", "llama": "meta-llama/Llama-3.1-8B-Instruct", "gemma3": "google/gemma-3-270m"}
+FAMILY_TAGS = {"qwen3": "qwen", "qwen2": "qwen", "llama": "llama", "gemma3": "gemma"}
+BASE_MODELS = {
+    "qwen3": "Qwen/Qwen3-8B",
+    "qwen2": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+    "llama": "meta-llama/Llama-3.1-8B-Instruct",
+    "gemma3": "google/gemma-3-270m",
+}
 MEASURED = {"block_size": 4, "hardware": "2-core CPU", "date": "2025-06-01"}
 METRICS = [
     {"benchmark": "humaneval", "tau": 3.4567, "speedup": 1.8912, **MEASURED},
@@ -55,7 +60,9 @@ def test_export_writes_a_hub_folder_with_card(family, tmp_path):
     assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
     assert meta["tags"] == ["dflash", "speculative-decoding", FAMILY_TAGS[family]]
     assert "license" not in meta  # unknown for an in-memory target: not made up
-    assert f"## Notes for {dict(qwen3='Qwen', llama='LLaMA-family', gemma3='Gemma')[family]} targets" in card
+    assert (
+        f"## Notes for {dict(qwen3='Qwen', qwen2='Qwen', llama='LLaMA-family', gemma3='Gemma')[family]} targets" in card
+    )
     assert 'speculation_type="dflash"' in card and "dflash_hf.generate(target, drafter" in card
     assert "No measurements are included" in card
     # a Gemma card says which serving engine cannot run the drafter as trained

@@ -22,6 +22,8 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -48,16 +50,19 @@ COMMON = dict(
     pad_token_id=0,
 )
 GEMMA_SLIDING_WINDOW = 8
-FAMILIES = ["qwen3", "llama", "gemma3"]
+FAMILIES = ["qwen3", "qwen2", "llama", "gemma3"]
 
 
-def make_target_config(family: str, vocab_size: int = VOCAB):
-    """Tiny config of a supported target family (Gemma: sliding window 8, softcapping on)."""
-    common = {**COMMON, "vocab_size": vocab_size}
+def make_target_config(family: str, vocab_size: int = VOCAB, tie_word_embeddings: bool = False):
+    """Tiny config of a supported target family (Qwen2: q/k/v biases, as Qwen2.5; Gemma: sliding window 8,
+    softcapping on)."""
+    common = {**COMMON, "vocab_size": vocab_size, "tie_word_embeddings": tie_word_embeddings}
     if family == "qwen3":
-        return Qwen3Config(**common, tie_word_embeddings=False)
+        return Qwen3Config(**common)
+    if family == "qwen2":
+        return Qwen2Config(**common, max_window_layers=COMMON["num_hidden_layers"])
     if family == "llama":
-        return LlamaConfig(**common, tie_word_embeddings=False)
+        return LlamaConfig(**common)
     if family == "gemma3":
         return Gemma3TextConfig(
             **common,
@@ -65,17 +70,26 @@ def make_target_config(family: str, vocab_size: int = VOCAB):
             layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
             final_logit_softcapping=30.0,
             query_pre_attn_scalar=16,
-            tie_word_embeddings=False,
         )
     raise ValueError(family)
 
 
-def make_target(family: str, seed: int = 0, attn_implementation: str = "sdpa", vocab_size: int = VOCAB):
+def make_target(
+    family: str,
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+    vocab_size: int = VOCAB,
+    tie_word_embeddings: bool = False,
+):
     torch.manual_seed(seed)
-    config = make_target_config(family, vocab_size)
+    config = make_target_config(family, vocab_size, tie_word_embeddings)
     config._attn_implementation = attn_implementation
-    cls = {"qwen3": Qwen3ForCausalLM, "llama": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM}[family]
-    model = cls(config).eval()
+    classes = {"qwen3": Qwen3ForCausalLM, "qwen2": Qwen2ForCausalLM, "llama": LlamaForCausalLM}
+    model = classes.get(family, Gemma3ForCausalLM)(config).eval()
+    with torch.no_grad():  # biases start at zero: make them matter
+        for name, parameter in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                parameter.normal_(0.0, 0.3)
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = 2
     return model
