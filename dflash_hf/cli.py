@@ -2,7 +2,8 @@
 
 Every sub-command module exposes `register(subparsers)`, which adds its parser and sets `func` (a callable taking
 the parsed arguments and returning an exit code); what only a run needs is imported inside it. Bad input (a
-`ValueError`, or an `OSError` for a missing or unreadable file) ends with one `error: ...` line and exit code 2.
+`ValueError`, or an `OSError` for a missing or unreadable file) ends with one `error: ...` line and exit code 2. A
+command's `--quiet` hides the progress bars of the libraries it runs (`commands.hidden_progress_bars`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,18 @@ from collections.abc import Callable
 
 from dflash_hf_launcher import interrupted
 
-from .commands import bench, cache_features, export, generate, make_data, profile, push, results_doc, train
+from .commands import (
+    bench,
+    cache_features,
+    export,
+    generate,
+    hidden_progress_bars,
+    make_data,
+    profile,
+    push,
+    results_doc,
+    train,
+)
 
 # each sub-command's `register`, in the order `dflash-hf --help` lists them
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
@@ -62,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        with hidden_progress_bars(getattr(args, "quiet", False)):
+            return int(args.func(args) or 0)
     except (ValueError, OSError) as err:  # bad input, missing or unreadable files: one line, no traceback
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2

@@ -6,9 +6,12 @@ import torch
 
 
 def token_ids(*values: int | list[int] | tuple[int, ...] | torch.Tensor | None) -> list[int]:
-    """Every distinct token id among `values` (each an id, a list of ids or `None`), in order."""
+    """Every distinct token id among `values` (each an id, a list of ids, a tensor of any shape or `None`), in
+    order."""
     ids: list[int] = []
     for value in values:
+        if isinstance(value, torch.Tensor):
+            value = value.reshape(-1).tolist()
         for token_id in value if isinstance(value, (list, tuple)) else [value]:
             if token_id is not None and int(token_id) not in ids:
                 ids.append(int(token_id))

@@ -347,26 +347,27 @@ def _write_marker(directory: Path, spec: TargetSpec) -> None:
     (directory / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
 
 
-def _build(spec: TargetSpec, final: Path) -> None:
+def _build(spec: TargetSpec, final: Path, progress: bool) -> None:
+    """Build the cache of `spec` into `final`, with a progress bar unless `progress` is false."""
     final.parent.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=f".{spec.name}.building-", dir=final.parent))
     try:
-        with tqdm(total=3, desc=f"Caching target {spec.name}", unit="step") as progress:
+        with tqdm(total=3, desc=f"Caching target {spec.name}", unit="step", disable=not progress) as bar:
             scratch = building / "scratch"
             scratch.mkdir()
             output = building / "model"
-            progress.set_postfix_str("dequantizing (30-100 s)")
+            bar.set_postfix_str("dequantizing (30-100 s)")
             model, tokenizer = spec.load_source(scratch)
             shutil.rmtree(scratch)
-            progress.update()
-            progress.set_postfix_str("saving safetensors")
+            bar.update()
+            bar.set_postfix_str("saving safetensors")
             _prepare_for_saving(model, tokenizer)
             model.save_pretrained(output)
             tokenizer.save_pretrained(output)
             set_ordinary_mode(output)
             del model
-            progress.update()
-            progress.set_postfix_str("checksums")
+            bar.update()
+            bar.set_postfix_str("checksums")
             _write_marker(output, spec)
             discard(final)
             try:
@@ -375,17 +376,18 @@ def _build(spec: TargetSpec, final: Path) -> None:
                 # another process installed its copy between the two calls: keep it if it is intact
                 if cache_problem(final, spec) is not None:
                     raise
-            progress.update()
+            bar.update()
     finally:
         shutil.rmtree(building, ignore_errors=True)
 
 
-def resolve_target_dir(name: str, rebuild: bool = False) -> Path:
+def resolve_target_dir(name: str, rebuild: bool = False, progress: bool = True) -> Path:
     """Folder of the verified safetensors cache of a named target, building it first when needed.
 
     Args:
         name: A key of [`TARGETS`] (`smollm2-135m`, `gemma3-270m`, `qwen2.5-coder-0.5b`, ...).
         rebuild: Rebuild the cache even if it is intact.
+        progress: Show the progress bar of a cache build.
 
     Returns:
         `<cache>/targets/<name>`, a folder loadable with `AutoModelForCausalLM.from_pretrained`.
@@ -395,7 +397,7 @@ def resolve_target_dir(name: str, rebuild: bool = False) -> Path:
         raise ValueError(f"Unknown target name {name!r}: choose one of {', '.join(TARGETS)}.")
     final = cache_dir() / "targets" / spec.name
     if rebuild or cache_problem(final, spec) is not None:
-        _build(spec, final)
+        _build(spec, final, progress)
         problem = cache_problem(final, spec)
         if problem is not None:
             raise ValueError(
@@ -442,12 +444,12 @@ def configure_generation(model: PreTrainedModel, tokenizer: PreTrainedTokenizerB
         generation_config.bos_token_id = int(tokenizer.bos_token_id)
 
 
-def _target_source(name_or_path: str | os.PathLike, rebuild: bool = False) -> str:
-    """The folder (or Hub id) a target loads from: a named target's verified cache (built when needed), or the
-    folder or Hub id given; a `ValueError` for anything else."""
+def _target_source(name_or_path: str | os.PathLike, rebuild: bool = False, progress: bool = True) -> str:
+    """The folder (or Hub id) a target loads from: a named target's verified cache (built when needed, with a
+    progress bar unless `progress` is false), or the folder or Hub id given; a `ValueError` for anything else."""
     source = os.fspath(name_or_path)
     if source in TARGETS:
-        return os.fspath(resolve_target_dir(source, rebuild=rebuild))
+        return os.fspath(resolve_target_dir(source, rebuild=rebuild, progress=progress))
     if rebuild:
         raise ValueError(f"`rebuild` only applies to the named targets ({', '.join(TARGETS)}), not to {source!r}.")
     if not Path(source).is_dir() and not is_hub_id(source):
@@ -459,11 +461,13 @@ def _target_source(name_or_path: str | os.PathLike, rebuild: bool = False) -> st
     return source
 
 
-def load_target_shell(name_or_path: str | os.PathLike) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_target_shell(
+    name_or_path: str | os.PathLike, progress: bool = True
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A target's config, generation config and tokenizer around weights on the meta device (nothing is read or
     allocated for them): for work that only needs the target's description, such as regenerating data through a
-    server that serves it."""
-    source = _target_source(name_or_path)
+    server that serves it. `progress`: show the progress bar of a named target's cache build."""
+    source = _target_source(name_or_path, progress=progress)
     try:
         config = AutoConfig.from_pretrained(source)
         with torch.device("meta"):
@@ -482,6 +486,7 @@ def load_target(
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device | None = None,
     rebuild: bool = False,
+    progress: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a target LLM and its tokenizer, ready for `dflash_hf.generate`.
 
@@ -491,11 +496,12 @@ def load_target(
             (`auto`: bfloat16 on CUDA, float32 elsewhere).
         device: Where to put the model (default: CPU).
         rebuild: For a named target, rebuild its cache first.
+        progress: Show the progress bar of a named target's cache build.
 
     Returns:
         `(model, tokenizer)`, the model in eval mode with EOS and pad ids set in its generation config.
     """
-    source = _target_source(name_or_path, rebuild)
+    source = _target_source(name_or_path, rebuild, progress)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, device))
         tokenizer = AutoTokenizer.from_pretrained(source)

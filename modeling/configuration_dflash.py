@@ -59,9 +59,29 @@ def real_token_count(tokenizer: Any) -> int:
     """Number of the tokenizer's real tokens: ``len(tokenizer)`` less the trailing placeholders ``[PAD<id>]`` that
     tokenizers read from a GGUF file list for the embedding's spare rows (Qwen2.5: ids 151665 and up)."""
     count = len(tokenizer)
-    while count > 0 and tokenizer.convert_ids_to_tokens(count - 1) == f"[PAD{count - 1}]":
+    name_of = getattr(tokenizer, "convert_ids_to_tokens", None)
+    while name_of is not None and count > 0 and name_of(count - 1) == f"[PAD{count - 1}]":
         count -= 1
     return count
+
+
+# Upper bounds of a DFlash config's sizes: far above any drafter (the official ones: 5-8 layers, blocks of 10-16),
+# low enough that a hostile config.json cannot ask for terabytes.
+SIZE_LIMITS = {
+    "hidden_size": 32_768,
+    "intermediate_size": 262_144,
+    "num_hidden_layers": 128,
+    "num_attention_heads": 512,
+    "num_key_value_heads": 512,
+    "head_dim": 2_048,
+    "block_size": 256,
+    "vocab_size": 4_194_304,
+    "draft_vocab_size": 4_194_304,
+    "max_position_embeddings": 16_777_216,
+    "num_target_layers": 1_024,
+}
+MAX_MARKOV_RANK = 8_192
+_OPTIONAL_SIZES = ("vocab_size", "draft_vocab_size", "num_target_layers", "head_dim")
 
 
 # Keys of the official (z-lab) Qwen3-style layout that have no meaning for `DFlashConfig`.
@@ -225,7 +245,16 @@ class DFlashConfig(PreTrainedConfig):
         self.validate_dflash()
 
     def validate_dflash(self) -> None:
-        """Raise a `ValueError` naming the problem if the DFlash-specific fields are inconsistent."""
+        """Raise a `ValueError` naming the problem if the DFlash-specific fields are inconsistent, or a size is no
+        integer within [`SIZE_LIMITS`] (a config from an untrusted folder must not allocate without bound)."""
+        for name, limit in SIZE_LIMITS.items():
+            value = getattr(self, name, None)
+            if value is None and name in _OPTIONAL_SIZES:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+                raise ValueError(
+                    f"{name} must be an int between 1 and {limit:,} in a DFlash config, got {value!r}: fix config.json."
+                )
         if int(self.block_size) < 2:
             raise ValueError(
                 f"block_size must be >= 2 (one anchor plus at least one drafted slot), got {self.block_size}."
@@ -254,8 +283,11 @@ class DFlashConfig(PreTrainedConfig):
                     f"draft_vocab_size must be between 2 and the target vocabulary ({upper}), got "
                     f"{self.draft_vocab_size}; use None to draft over the full vocabulary."
                 )
-        if isinstance(self.markov_rank, bool) or not isinstance(self.markov_rank, int) or self.markov_rank < 0:
-            raise ValueError(f"markov_rank must be an int >= 0 (0: no Markov head), got {self.markov_rank!r}.")
+        rank = self.markov_rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= MAX_MARKOV_RANK:
+            raise ValueError(
+                f"markov_rank must be an int between 0 (no Markov head) and {MAX_MARKOV_RANK}, got {rank!r}."
+            )
         if self.markov_rank and self.vocab_size is None:
             raise ValueError("A Markov head (markov_rank > 0) embeds target tokens: set the target's vocab_size.")
         if self.markov_gated and not self.markov_rank:

@@ -464,7 +464,7 @@ def test_cache_features_auto_precision_follows_the_cpu(native, expected, target,
     make_data(target, tok, tmp_path / "d", source=source, max_new_tokens=4, held_out_fraction=0.0, progress=False)
     loaded = []
 
-    def fake_load_target(name, dtype, device):
+    def fake_load_target(name, dtype, device, progress):
         loaded.append(dtype)
         return target.to(dtype), tok
 

@@ -107,7 +107,7 @@ def test_config_round_trip_and_checks(tmp_path):
     assert (plain.markov_rank, plain.markov_gated) == (0, False)
     assert DFlashDraftModel(plain).markov_head is None
     values = plain.to_dict()
-    with pytest.raises(ValueError, match="markov_rank must be an int >= 0"):
+    with pytest.raises(ValueError, match="markov_rank must be an int between 0"):
         DFlashConfig(**{**values, "markov_rank": -1})
     with pytest.raises(ValueError, match="markov_gated needs a Markov head"):
         DFlashConfig(**{**values, "markov_gated": True})

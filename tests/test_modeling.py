@@ -51,6 +51,22 @@ def test_qwen3_mask_token_is_first_spare_row():
     assert config.mask_token_id == 151669
 
 
+def test_gguf_tokenizer_placeholders_are_spare_rows():
+    """A tokenizer read from a GGUF lists every embedding row, the spare ones as `[PADn]`: those are not its tokens."""
+
+    class GGUFTokenizer:
+        def __len__(self):
+            return 151936
+
+        def convert_ids_to_tokens(self, index):
+            return f"[PAD{index}]" if index >= 151665 else "<|file_sep|>" if index == 151664 else "x"
+
+    target_config = make_target_config("qwen2")
+    target_config.vocab_size = 151936
+    config = DFlashConfig.from_target(target_config, num_target_features=2, tokenizer=GGUFTokenizer())
+    assert config.mask_token_id == 151665
+
+
 def test_save_pretrained_writes_auto_map_and_remote_files(tmp_path):
     target = make_target("llama")
     drafter = make_drafter(target)

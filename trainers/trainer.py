@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 from dflash_hf.modeling import DFlashConfig, DFlashDraftModel
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, set_seed
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
@@ -73,7 +73,9 @@ def _resolve_drafter(
 ) -> tuple[DFlashDraftModel, float | None]:
     """The drafter to train: loaded from a path (fp32 master weights whatever its saved dtype), or a new one built from
     the target (optionally initialised from its top layers, with a reduced draft vocabulary); checked against `args`.
-    Also returns the new reduced vocabulary's coverage of the training response tokens (else `None`)."""
+    Also returns the new reduced vocabulary's coverage of the training response tokens (else `None`). Every random
+    initialisation here (a new drafter, a new Markov head) follows `args.seed`."""
+    set_seed(args.seed)  # the Trainer seeds only once it has the model: what is initialised here must follow it too
     coverage = None
     if isinstance(model, str):
         model = DFlashDraftModel.from_pretrained(model, dtype=torch.float32)

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..fileio import atomic_write, atomic_write_text
+from ..fileio import atomic_write, atomic_write_text, read_json
 from .profile import plot_profiles
 from .run import BENCH_FORMAT, BenchResult
 
@@ -30,11 +30,9 @@ def as_document(result: BenchResult | dict[str, Any] | str | os.PathLike) -> dic
         return result
     path = Path(result)
     try:
-        document = json.loads(path.read_text())
+        document = read_json(path, "rerun `dflash-hf bench`.")
     except FileNotFoundError as err:
         raise ValueError(f"No bench results at {path}: run `dflash-hf bench --out DIR` first.") from err
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON ({err.msg}); rerun `dflash-hf bench`.") from err
     if not isinstance(document, dict) or document.get("format") != BENCH_FORMAT:
         raise ValueError(f"{path} is not a `dflash-hf bench` result ({BENCH_FORMAT}).")
     return document

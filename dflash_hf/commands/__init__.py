@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -48,6 +50,29 @@ def load_models(
         if bars:
             hf_logging.enable_progress_bar()
     return model, tokenizer, drafter, f"{str(model.dtype).replace('torch.', '')} ({reason})"
+
+
+@contextlib.contextmanager
+def hidden_progress_bars(hide: bool) -> Iterator[None]:
+    """With `hide`, run the block with the progress bars of Transformers (model loading), `datasets` (saving and
+    mapping datasets) and huggingface_hub (downloads) off (a command's `--quiet`); each library's setting is restored
+    afterwards."""
+    if not hide:
+        yield
+        return
+    import datasets
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    with contextlib.ExitStack() as restore:
+        if hf_logging.is_progress_bar_enabled():
+            hf_logging.disable_progress_bar()
+            restore.callback(hf_logging.enable_progress_bar)
+        if not datasets.are_progress_bars_disabled():
+            datasets.disable_progress_bars()
+            restore.callback(datasets.enable_progress_bars)
+        restore.enter_context(disable_progress_bars())
+        yield
 
 
 def add_tap_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from .. import bench
+from ..engine.checks import MAX_LOOKUP_TOKENS
 from ..modeling import DFlashConfig
 from ..targets import load_drafter, resolve_drafter_dir
 from . import (
@@ -271,6 +272,9 @@ def _check(args: argparse.Namespace) -> None:
     ):
         if value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}.")
+    for count in args.lookup_tokens or ():
+        if not 1 <= count <= MAX_LOOKUP_TOKENS:
+            raise ValueError(f"--lookup-tokens must be between 1 and {MAX_LOOKUP_TOKENS}, got {count}.")
     if args.min_prompt_tokens > args.max_prompt_tokens:
         raise ValueError(
             f"--min-prompt-tokens {args.min_prompt_tokens} exceeds --max-prompt-tokens {args.max_prompt_tokens}: no "

@@ -35,7 +35,7 @@ def register(subparsers) -> None:
         help="The target's precision (features are stored in bf16 either way); auto: bfloat16 on CUDA and on CPUs "
         "that compute it natively (AMX / AVX512-BF16), float32 elsewhere (emulated bf16 is several times slower)",
     )
-    parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--quiet", action="store_true", help="No progress bars.")
     parser.set_defaults(func=run)
 
 
@@ -46,11 +46,13 @@ def run(args: argparse.Namespace) -> int:
     from ..runtime import inference_dtype
     from ..targets import load_target
 
+    if args.shard_mb < 1:
+        raise ValueError(f"--shard-mb must be >= 1 (MiB of features per shard file), got {args.shard_mb}.")
     data = load_training_data(args.data)
     device = device_of(args.device)
     dtype, why = inference_dtype(args.dtype, device)
     print(f"cache-features: target in {str(dtype).removeprefix('torch.')} ({why})", file=sys.stderr)
-    target, _ = load_target(args.target, dtype=dtype, device=device)
+    target, _ = load_target(args.target, dtype=dtype, device=device, progress=not args.quiet)
     layer_ids = target_layer_ids_of(args, target)
     index = cache_features(
         target,

@@ -108,8 +108,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--gguf-type",
         choices=GGUF_TYPES,
-        default="f32",
-        help="--format gguf: type of the drafter's weight matrices (norms stay f32; default: f32)",
+        default=None,
+        help="--format gguf only: type of the drafter's weight matrices (norms stay f32; default: f32)",
     )
     parser.add_argument(
         "--metrics",

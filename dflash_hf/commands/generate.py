@@ -19,7 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
 
 from ..data.prompts import encode_prompt
 from ..engine.acceptance import DEFAULT_SAMPLING_PROPOSAL, SAMPLING_PROPOSALS
-from ..engine.checks import check_context_length
+from ..engine.checks import MAX_LOOKUP_TOKENS, check_context_length
 from ..engine.generation import generate
 from ..engine.tree import CANDIDATE_SOURCES, DEFAULT_CANDIDATES, verify_width
 from ..modeling import DFlashConfig
@@ -134,8 +134,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the `generate` sub-command; returns the exit code."""
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
-    if args.lookup_tokens is not None and args.lookup_tokens < 1:
-        raise ValueError(f"--lookup-tokens must be >= 1, got {args.lookup_tokens}.")
+    if args.lookup_tokens is not None and not 1 <= args.lookup_tokens <= MAX_LOOKUP_TOKENS:
+        raise ValueError(f"--lookup-tokens must be between 1 and {MAX_LOOKUP_TOKENS}, got {args.lookup_tokens}.")
     _check_prompt_text(args.prompt)
     sampling = _sampling_kwargs(args)
     drafter_dir = resolve_drafter_dir(args.target, args.drafter)

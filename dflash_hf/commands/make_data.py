@@ -81,7 +81,7 @@ def register(subparsers) -> None:
     add_tap_arguments(parser)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available).")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16.")
-    parser.add_argument("--quiet", action="store_true", help="No progress bar.")
+    parser.add_argument("--quiet", action="store_true", help="No progress bars.")
     parser.set_defaults(func=run)
 
 
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}.")
     server = None
     if args.server is not None:
-        target, tokenizer = load_target_shell(args.target)
+        target, tokenizer = load_target_shell(args.target, progress=not args.quiet)
         end_ids = token_ids(target.generation_config.eos_token_id, tokenizer.eos_token_id)
         vocab_size = target.config.get_text_config().vocab_size
         server = ServerResponder(
@@ -115,7 +115,9 @@ def run(args: argparse.Namespace) -> int:
             args.server_model,
         )
     else:
-        target, tokenizer = load_target(args.target, dtype=args.dtype, device=device_of(args.device))
+        target, tokenizer = load_target(
+            args.target, dtype=args.dtype, device=device_of(args.device), progress=not args.quiet
+        )
     manifest = make_data(
         target,
         tokenizer,
@@ -138,5 +140,30 @@ def run(args: argparse.Namespace) -> int:
         server=server,
         progress=not args.quiet,
     )
+    if not manifest["counts"]["samples"]:
+        raise ValueError(_no_samples(args, manifest["counts"]))
     print(json.dumps({"out": args.out, **manifest["counts"]}))
     return 0
+
+
+# why a run made no training sample: (count in the manifest, what those prompts did, the fix)
+_EMPTY_CAUSES = (
+    (
+        "skipped_without_reply",
+        "had no reply in the source",
+        "use a source whose conversations hold the replies, or --responses regenerate",
+    ),
+    ("skipped_long_prompts", "were longer than --max-prompt-tokens", "raise --max-prompt-tokens"),
+)
+
+
+def _no_samples(args: argparse.Namespace, counts: dict[str, int]) -> str:
+    """The error of a make-data run that left `args.out` without a training sample (its manifest's `counts`):
+    why, and the fix."""
+    causes = [(f"{counts[key]} {what}", fix) for key, what, fix in _EMPTY_CAUSES if counts.get(key)]
+    causes = causes or [("none gave a training row", "check --prompts, --turn and --held-out-fraction")]
+    return (
+        f"make-data made no training sample in {args.out}: --prompts {args.prompts} gave "
+        f"{counts.get('train_prompts', 0)} train prompt(s), of which {' and '.join(what for what, _ in causes)}; "
+        f"{'; '.join(fix for _, fix in causes)}."
+    )

@@ -94,13 +94,22 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Parse the `train` flags (after the sub-command) with TRL's parser: `--config FILE.yaml` gives the recipe,
-    flags on the command line override it."""
+    flags on the command line override it; a recipe that is no YAML is a `ValueError` naming the file."""
+    import yaml
+
     parser = _trl_parser()
     argv = list(getattr(args, "train_argv", []))
     if getattr(args, "train_help", False):
         parser.print_help()
         return 0
-    script, config = parser.parse_args_and_config(argv)
+    try:
+        script, config = parser.parse_args_and_config(argv)
+    except (yaml.YAMLError, UnicodeDecodeError) as err:  # only the `--config` file is read as YAML
+        recipe = argv[argv.index("--config") + 1]
+        raise ValueError(
+            f"--config {recipe} is not a valid YAML recipe ({err}): fix the file, or start from one of "
+            "examples/recipes/."
+        ) from err
     train(script, config)
     return 0
 

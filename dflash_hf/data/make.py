@@ -28,6 +28,7 @@ import json
 import os
 import re
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..fileio import atomic_write, atomic_write_folder, atomic_write_text, remove_leftovers
+from ..fileio import atomic_write, atomic_write_folder, atomic_write_text, read_json, remove_leftovers
 from ..special_tokens import first_token_id, token_ids
 from .batching import pad
 from .capture import FeatureRecorder
@@ -110,13 +111,67 @@ def part_files(parts_dir: Path) -> list[Path]:
     return sorted([*parts_dir.glob("part-*.jsonl.gz"), *parts_dir.glob("part-*.jsonl")], key=lambda path: path.name)
 
 
-def read_parts(parts_dir: Path) -> list[dict]:
-    """The records of every finished part, in part order."""
+# how to recover from a part that cannot be resumed
+_PART_FIX = (
+    "move it out of the parts folder and rerun make-data with the same settings (parts are append-only: the rerun "
+    "makes its rows again), or pass a new --out folder."
+)
+
+
+def read_parts(parts_dir: Path, vocab_size: int | None = None) -> list[dict]:
+    """The records of every finished part, in part order; a `ValueError` naming the part when one is damaged or (with
+    `vocab_size`, the target's) holds token ids outside the target's vocabulary."""
     records = []
     for part in part_files(parts_dir):
-        with (gzip.open if part.suffix == ".gz" else open)(part, "rt", encoding="utf-8") as fh:
-            records.extend(json.loads(line) for line in fh if line.strip())
+        records.extend(_part_record(part, line_no, line, vocab_size) for line_no, line in _part_lines(part))
     return records
+
+
+def _part_lines(part: Path) -> list[tuple[int, str]]:
+    """The non-blank lines of a part file with their numbers; a `ValueError` naming it when it cannot be read."""
+    try:
+        with (gzip.open if part.suffix == ".gz" else open)(part, "rt", encoding="utf-8") as fh:
+            lines = list(fh)
+    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as err:  # truncated, not gzip, not UTF-8
+        raise ValueError(f"{part} cannot be read ({err}): the part is damaged; {_PART_FIX}") from err
+    return [(line_no, line) for line_no, line in enumerate(lines, start=1) if line.strip()]
+
+
+def _part_record(part: Path, line_no: int, line: str, vocab_size: int | None) -> dict:
+    """The record on line `line_no` of `part`, once it is a make-data row of the target's vocabulary `vocab_size`."""
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, RecursionError) as err:
+        raise ValueError(f"{part}:{line_no} is not valid JSON: the part is damaged; {_PART_FIX}") from err
+    problem = _record_problem(record, vocab_size)
+    if problem is not None:
+        raise ValueError(f"{part}:{line_no}: {problem}; {_PART_FIX}")
+    return record
+
+
+def _record_problem(record: Any, vocab_size: int | None) -> str | None:
+    """What keeps `record` from being a make-data row (`id`, `input_ids` of the vocabulary `vocab_size`,
+    `prompt_length` within them), or `None`."""
+    if not isinstance(record, dict):
+        return f"the record is a JSON {type(record).__name__}, not an object (the part is damaged)"
+    if not isinstance(record.get("id"), str):
+        return "the record has no string `id` (the part is damaged)"
+    ids = record.get("input_ids")
+    if not isinstance(ids, list) or not set(map(type, ids)) <= {int}:
+        return f"record {record['id']!r} has no `input_ids` list of token ids (the part is damaged)"
+    length = record.get("prompt_length")
+    if type(length) is not int or not 0 <= length <= len(ids):
+        return f"record {record['id']!r} has no `prompt_length` in 0..{len(ids)} (the part is damaged)"
+    low, high = min(ids, default=0), max(ids, default=0)
+    if low < 0 or (vocab_size is not None and high >= vocab_size):
+        vocabulary = (
+            "token ids are never negative" if low < 0 else f"its {vocab_size} token ids are 0..{vocab_size - 1}"
+        )
+        return (
+            f"record {record['id']!r} holds token id {low if low < 0 else high}, outside the target's vocabulary "
+            f"({vocabulary}): the part was made with another target"
+        )
+    return None
 
 
 def next_part_number(parts_dir: Path) -> int:
@@ -134,13 +189,26 @@ def write_part(path: Path, records: list[dict]) -> None:
     atomic_write(path, lambda temporary: temporary.write_bytes(gzip.compress(data, mtime=0)))
 
 
+def _compared(key: str, value: Any) -> Any:
+    """A recorded setting as resuming compares it: a `source` or `target` naming an existing path is resolved, so the
+    same file or folder named by an absolute or a relative path is the same setting (`sharegpt` stays a name)."""
+    if key in ("source", "target") and isinstance(value, str) and value != DEFAULT_SOURCE and Path(value).exists():
+        return Path(value).resolve()
+    return value
+
+
 def _check_settings(out: Path, settings: dict) -> None:
     """Record the settings of a new folder; refuse to resume one that was started with other settings."""
     path = out / "parts" / SETTINGS_NAME
     if path.is_file():
-        old = json.loads(path.read_text())
+        fix = f"move it away and rerun make-data with the settings that started {out} (it records them again)."
+        old = read_json(path, fix)
+        if not isinstance(old, dict):
+            raise ValueError(f"{path} holds a JSON {type(old).__name__}, not the settings make-data records: {fix}")
         keys = [*settings, *(k for k in old if k not in settings)]  # a setting recorded only when set counts too
-        diff = {k: (old.get(k), settings.get(k)) for k in keys if old.get(k) != settings.get(k)}
+        diff = {
+            k: (old.get(k), settings.get(k)) for k in keys if _compared(k, old.get(k)) != _compared(k, settings.get(k))
+        }
         if diff:
             detail = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
             raise ValueError(
@@ -332,7 +400,7 @@ def make_data(
         settings["responses_from"] = "server"
     _check_settings(out, settings)
     remove_leftovers(out / "parts", (".part-*.tmp",))  # of a part write that was killed
-    done = read_parts(out / "parts")
+    done = read_parts(out / "parts", target.config.get_text_config().vocab_size)
     done_ids = {r["id"] for r in done}
     skipped = {"long": 0, "no_reply": 0}
     goal = len(train) if max_samples is None else min(max_samples, len(train))

@@ -147,9 +147,13 @@ def check_logits_processors(logits_processor: LogitsProcessorList | None) -> Non
         )
 
 
+# the longest prompt-lookup continuation verified with a block (it sizes the verify forward and its masks)
+MAX_LOOKUP_TOKENS = 256
+
+
 def check_options(candidates: str, sampling_proposal: str, lookup_tokens: int | None) -> None:
-    """Refuse an unknown `candidates` or `sampling_proposal`, and a `lookup_tokens` that is no int >= 1 or `None`
-    (a `ValueError` naming the valid values)."""
+    """Refuse an unknown `candidates` or `sampling_proposal`, and a `lookup_tokens` that is no int in
+    1..`MAX_LOOKUP_TOKENS` or `None` (a `ValueError` naming the valid values)."""
     if candidates not in CANDIDATE_SOURCES:
         raise ValueError(
             f"candidates must be one of {CANDIDATE_SOURCES}, got {candidates!r}: 'dflash' verifies the DFlash "
@@ -162,11 +166,13 @@ def check_options(candidates: str, sampling_proposal: str, lookup_tokens: int | 
             "each slot's most likely token, 'sample' samples each slot from the drafter's distribution."
         )
     if lookup_tokens is not None and (
-        isinstance(lookup_tokens, bool) or not isinstance(lookup_tokens, numbers.Integral) or lookup_tokens < 1
+        isinstance(lookup_tokens, bool)
+        or not isinstance(lookup_tokens, numbers.Integral)
+        or not 1 <= lookup_tokens <= MAX_LOOKUP_TOKENS
     ):
         raise ValueError(
-            f"lookup_tokens must be an int >= 1 (the longest prompt-lookup continuation verified with the block) "
-            f"or None (the default, see `lookup_branch_length`), got {lookup_tokens!r}."
+            f"lookup_tokens must be an int between 1 and {MAX_LOOKUP_TOKENS} (the longest prompt-lookup continuation "
+            f"verified with the block) or None (the default, see `lookup_branch_length`), got {lookup_tokens!r}."
         )
 
 

@@ -101,6 +101,11 @@ def custom_generate(
     `sampling_proposal` (with `do_sample=True`): `"argmax"` drafts each slot's most likely token, `"sample"` samples
     each slot from the drafter's distribution; both keep the output distributed exactly as the target's.
     `candidates`: `"dflash"`, `"dflash+lookup"` or `"tree"`, `lookup_tokens`: see [`generate`].
+
+    Stop strings: Transformers 5.23/5.24 drop the `tokenizer` argument before calling a `custom_generate` callable,
+    so `target.generate(..., stop_strings=..., tokenizer=tok, custom_generate=...)` fails in Transformers itself;
+    pass `stopping_criteria=[StopStringCriteria(tok, stop_strings)]` there, or call [`generate`], which takes
+    `stop_strings` and `tokenizer` as `model.generate` does.
     """
     if drafter is None:
         raise ValueError(

