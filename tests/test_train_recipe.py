@@ -37,9 +37,9 @@ def test_coverage_every_response_position_is_an_anchor(tiny_data):
         assert sorted(anchors[row][valid[row]].tolist()) == expected[row].nonzero().flatten().tolist()
 
 
-def _weighted_slot_loss(trainer, target, batch, anchors, slot_loss) -> float:
+def _weighted_slot_loss(trainer, target, batch, anchors, slot_loss, differentiable: bool = False):
     """The block loss recomputed by hand, slot by slot: `slot_loss(target logits at p - 1, draft logits at p)`
-    weighted like the trainer's (B = 4)."""
+    weighted like the trainer's (B = 4); a float, or with `differentiable` a tensor in the drafter's graph."""
     from dflash_hf.trainers.masks import block_attention_mask, build_blocks
 
     ids, mask = batch["input_ids"], batch["attention_mask"]
@@ -47,6 +47,7 @@ def _weighted_slot_loss(trainer, target, batch, anchors, slot_loss) -> float:
     adapter = TargetAdapter(target, trainer.model.config.target_layer_ids)
     with torch.no_grad():
         context, final = trainer.target_features(ids, mask)
+    with torch.set_grad_enabled(differentiable):
         out = trainer.model(
             noise_embeds=adapter.embed(blocks.block_ids),
             context_hidden_states=context,
@@ -58,9 +59,9 @@ def _weighted_slot_loss(trainer, target, batch, anchors, slot_loss) -> float:
         for b, j, k in (blocks.weights > 0).nonzero().tolist():
             pos = int(anchors[0][b, j]) + k
             weight = float(blocks.weights[b, j, k])
-            total += weight * float(slot_loss(adapter.logits(final[b, pos - 1]), adapter.logits(hidden[b, j, k])))
+            total = total + weight * slot_loss(adapter.logits(final[b, pos - 1]), adapter.logits(hidden[b, j, k]))
             weight_sum += weight
-    return total / weight_sum
+    return total / weight_sum if differentiable else float(total) / weight_sum
 
 
 def test_distillation_pulls_towards_the_targets_distribution(tiny_data, tmp_path):
@@ -87,6 +88,43 @@ def test_distillation_pulls_towards_the_targets_distribution(tiny_data, tmp_path
         return -(teacher_logits.softmax(-1) * student_logits.log_softmax(-1)).sum()
 
     assert abs(soft.item() - _weighted_slot_loss(trainer, target, batch, anchors, soft_ce)) < 1e-4
+
+
+def test_total_variation_loss_is_deepspecs_mix(tiny_data, tmp_path):
+    """tv_weight=t: (1 - t) * CE(label) + t * TV, with TV recomputed by hand slot by slot against the target's softmax
+    one position before each slot; the trainer's gradient is autograd's of that reference."""
+    target, tok, data = tiny_data
+    trainer = DFlashTrainer(
+        args=config(tmp_path / "a", tv_weight=0.9), target=target, train_dataset=data, processing_class=tok
+    )
+    batch = full_batch(data)
+    torch.manual_seed(0)
+    anchors = sample_anchors(batch["loss_mask"], batch["attention_mask"].sum(1), 4, 8)
+    with torch.no_grad():
+        mixed, _ = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
+        trainer.tv_weight = 0.0
+        hard, _ = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
+    trainer.tv_weight = 1.0
+
+    def tv(teacher_logits, student_logits):
+        return 0.5 * (teacher_logits.softmax(-1) - student_logits.softmax(-1)).abs().sum()
+
+    reference = _weighted_slot_loss(trainer, target, batch, anchors, tv)
+    assert abs(mixed.item() - (0.1 * hard.item() + 0.9 * reference)) < 1e-4
+    assert 0.0 < reference < 1.0
+
+    pure, _ = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
+    ours = torch.autograd.grad(pure, trainer.model.fc.weight)[0]
+    by_hand = _weighted_slot_loss(trainer, target, batch, anchors, tv, differentiable=True)
+    expected = torch.autograd.grad(by_hand, trainer.model.fc.weight)[0]
+    assert torch.allclose(ours, expected, atol=1e-6, rtol=1e-4)
+
+
+def test_tv_weight_is_checked_and_needs_the_teacher(tmp_path):
+    with pytest.raises(ValueError, match=r"tv_weight must be in \[0, 1 - distill_weight\]"):
+        config(tmp_path, tv_weight=0.6, distill_weight=0.5)
+    with pytest.raises(ValueError, match="tv_weight must be in"):
+        config(tmp_path, tv_weight=-0.1)
 
 
 def test_target_hard_labels_are_the_targets_argmax(tiny_data, tmp_path):

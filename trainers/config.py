@@ -56,6 +56,10 @@ class DFlashTrainingConfig(TrainingArguments):
             distribution at position `anchor + k - 1` (its final hidden state through the frozen LM head, over the
             draft vocabulary). Needs features cached with final hidden states, or online features. With `w > 0`
             every position of teacher-forced text is useful supervision, not only target-generated responses.
+        tv_weight (`float`, defaults to `0.0`): Weight `t` of the total variation distance between the drafter's and
+            the target's next-token distributions (the loss of DSpark's trainer; `1 - TV` is speculative sampling's
+            acceptance chance), mixed as `(1 - w - t) * CE(label) + w * CE(teacher) + t * TV`; DeepSpec trains with
+            0.1 CE + 0.9 TV. Needs the same final hidden states as distillation.
         hard_labels (`str`, defaults to `"data"`): The hard label of each slot: `"data"` the dataset's next token, or
             `"target"` the target's own most likely next token there (the argmax of the distillation teacher, over the
             draft vocabulary), which is what greedy verification accepts. On target-regenerated data the two agree; on
@@ -140,6 +144,13 @@ class DFlashTrainingConfig(TrainingArguments):
         default=0.0,
         metadata={"help": "Distillation weight w: (1-w) * CE(label) + w * CE(target's next-token distribution)."},
     )
+    tv_weight: float = field(
+        default=0.0,
+        metadata={
+            "help": "Total-variation weight t (DSpark's loss; DeepSpec mixes 0.1 CE + 0.9 TV): "
+            "(1-w-t) * CE(label) + w * CE(target) + t * TV(drafter, target)."
+        },
+    )
     hard_labels: str = field(
         default="data",
         metadata={
@@ -223,6 +234,11 @@ class DFlashTrainingConfig(TrainingArguments):
             self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         if not 0.0 <= float(self.distill_weight) <= 1.0:
             raise ValueError(f"distill_weight must be in [0, 1], got {self.distill_weight}.")
+        if not 0.0 <= float(self.tv_weight) <= 1.0 - float(self.distill_weight):
+            raise ValueError(
+                f"tv_weight must be in [0, 1 - distill_weight] = [0, {1.0 - float(self.distill_weight)}], got "
+                f"{self.tv_weight}: the hard-label weight 1 - distill_weight - tv_weight cannot be negative."
+            )
         if self.hard_labels not in HARD_LABELS:
             raise ValueError(
                 f"hard_labels must be one of {HARD_LABELS}, got {self.hard_labels!r}: 'data' trains on the dataset's "

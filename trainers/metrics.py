@@ -103,16 +103,31 @@ def dpace_label_weights(logits: torch.Tensor, labels: torch.Tensor, selected: to
         return dpace_slot_weights(per_slot, selected)[selected]
 
 
+def total_variation(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """Per slot `(n,)`: the total variation distance `0.5 * sum |softmax(logits) - target_probs|` between the drafter's
+    and the target's next-token distributions (DSpark's training loss; `1 - TV` is the chance that speculative sampling
+    accepts the drafter's token)."""
+    return 0.5 * (logits.float().softmax(dim=-1) - target_probs).abs().sum(dim=-1)
+
+
 def slot_losses(
-    logits: torch.Tensor, labels: torch.Tensor, target_probs: torch.Tensor | None, distill_weight: float
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    target_probs: torch.Tensor | None,
+    distill_weight: float,
+    tv_weight: float = 0.0,
 ) -> torch.Tensor:
     """Per labelled slot `(n,)`: the cross-entropy of its label (0 where it is `-100`), mixed as
-    `(1 - distill_weight) * CE + distill_weight * CE(target_probs)` with distillation on the target's distribution
-    (`target_probs` `(n, vocab)`, needed when `distill_weight > 0`)."""
+    `(1 - d - t) * CE + d * CE(target_probs) + t * TV(target_probs)` with `d = distill_weight` (distillation on the
+    target's distribution `target_probs` `(n, vocab)`) and `t = tv_weight` ([`total_variation`]); `target_probs` is
+    needed when either is > 0."""
     ce = F.cross_entropy(logits, labels, reduction="none", ignore_index=-100)
+    if distill_weight > 0 or tv_weight > 0:
+        ce = (1.0 - distill_weight - tv_weight) * ce
     if distill_weight > 0:
-        soft = -(target_probs * logits.float().log_softmax(dim=-1)).sum(dim=-1)
-        ce = (1.0 - distill_weight) * ce + distill_weight * soft
+        ce = ce + distill_weight * -(target_probs * logits.float().log_softmax(dim=-1)).sum(dim=-1)
+    if tv_weight > 0:
+        ce = ce + tv_weight * total_variation(logits, target_probs)
     return ce
 
 

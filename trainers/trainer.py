@@ -184,7 +184,9 @@ def _training_dataset(train_dataset, args: DFlashTrainingConfig, model: DFlashDr
             train_dataset = OfflineFeatureDataset(
                 train_dataset, args.features_dir, model.config.target_layer_ids, rows_read=range(first, end)
             )
-        if (float(args.distill_weight) > 0 or args.hard_labels == "target") and not train_dataset.has_final_hidden:
+        if (float(args.distill_weight) > 0 or float(args.tv_weight) > 0 or args.hard_labels == "target") and not (
+            train_dataset.has_final_hidden
+        ):
             raise ValueError(
                 f"distill_weight={args.distill_weight} needs the target's final hidden states, but the features in "
                 f"{args.features_dir} were cached without them: recache with `dflash-hf cache-features` (without "
@@ -266,6 +268,7 @@ class DFlashTrainer(PickleFreeCheckpoints):
         self.loss_weighting = args.loss_weighting
         self.num_anchors = int(args.num_anchors)
         self.distill_weight = float(args.distill_weight)
+        self.tv_weight = float(args.tv_weight)
         self.hard_labels = args.hard_labels
         self.has_markov_head = model.markov_head is not None
         self.markov_loss_weight = float(args.markov_loss_weight)
@@ -392,10 +395,10 @@ class DFlashTrainer(PickleFreeCheckpoints):
             context = inputs["context_hidden_states"]
         else:
             context, teacher = self.target_features(input_ids, attention_mask)
-        uses_teacher = self.distill_weight > 0 or self.hard_labels == "target"
+        uses_teacher = self.distill_weight > 0 or self.tv_weight > 0 or self.hard_labels == "target"
         if uses_teacher and teacher is None:
             raise ValueError(
-                "distill_weight > 0 and hard_labels='target' need the target's final hidden states "
+                "distill_weight > 0, tv_weight > 0 and hard_labels='target' need the target's final hidden states "
                 "(`target_final_hidden`): cache features with final hidden states or use features='online'."
             )
         batch, seq = input_ids.shape
@@ -446,10 +449,11 @@ class DFlashTrainer(PickleFreeCheckpoints):
         base_logits = logits
         if self.has_markov_head:  # from here on the logits the engine drafts from (the metrics' too)
             logits = logits + output.markov_bias.view(batch, num, block, -1)[selected].float()
-        ce = slot_losses(logits, labels, target_probs, self.distill_weight)
+        ce = slot_losses(logits, labels, target_probs, self.distill_weight, self.tv_weight)
         if self.has_markov_head and self.markov_loss_weight < 1.0:
             w = self.markov_loss_weight
-            ce = w * ce + (1.0 - w) * slot_losses(base_logits, labels, target_probs, self.distill_weight)
+            base = slot_losses(base_logits, labels, target_probs, self.distill_weight, self.tv_weight)
+            ce = w * ce + (1.0 - w) * base
         if self.loss_weighting == "dpace":
             weights = dpace_label_weights(logits, labels, selected)
         loss = (ce * weights).sum() / weights.sum()

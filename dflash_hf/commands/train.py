@@ -263,6 +263,7 @@ def _training_facts(trainer, config, result, last: dict, wall: float, data: str)
         * trainer.args.world_size,
         "features": config.features,
         "distill_weight": config.distill_weight,
+        "tv_weight": config.tv_weight,
         "hard_labels": config.hard_labels,
         "init_from_target": config.init_from_target,
         "optimizer": (
