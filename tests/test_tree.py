@@ -261,5 +261,5 @@ def test_lookup_branch_longer_than_the_block_is_lossless(family, dtype, oracle_l
         pytest.skip("this CPU's bf16 kernels cannot be made row-exact for this target (install says so)")
     assert torch.equal(out.sequences, reference)
     assert max(out.accepted_lengths[0]) > 2  # more than a 2-token block can commit: the long branch won
-    with pytest.raises(ValueError, match="lookup_tokens must be an int >= 1"):
+    with pytest.raises(ValueError, match="lookup_tokens must be an int between 1 and 256"):
         dflash_hf.generate(target, make_drafter(target), input_ids, max_new_tokens=4, lookup_tokens=0)
