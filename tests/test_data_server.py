@@ -94,6 +94,21 @@ def test_a_server_of_another_model_is_refused_before_anything_is_written(target,
     assert not (tmp_path / "out" / "parts").exists() or not list((tmp_path / "out" / "parts").glob("part-*"))
 
 
+def test_a_responder_built_for_other_settings_is_refused(target, tmp_path):
+    tok = make_tokenizer()
+    src = str(write_prompts(tmp_path / "p.jsonl"))
+    with pytest.raises(ValueError, match="built for max_new_tokens 10 .* this run has 4"):
+        make_data(
+            target,
+            tok,
+            tmp_path / "out",
+            source=src,
+            server=_responder("http://127.0.0.1:9", tok),
+            **{**KWARGS, "max_new_tokens": 4},
+        )
+    assert not (tmp_path / "out").exists()
+
+
 def test_no_server_and_bad_urls_name_the_fix(tmp_path):
     tok = make_tokenizer()
     with pytest.raises(ServerError, match="Cannot reach the server at http://127.0.0.1:9"):
@@ -134,3 +149,196 @@ def test_cli_make_data_through_a_server_loads_no_weights(target, tmp_path, capsy
         assert cli_main(argv) == 0
     counts = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert counts["samples"] == 3 and counts["generated_this_run"] == 3
+
+
+# ------------------------------------------------------------------ hostile and broken servers
+
+
+class _Scripted:
+    """A loopback server answering as llama-server (`/props`, `/v1/models`, `/tokenize`, `/completion`) with the
+    target's tokenizer, where `answers[(method, path)](body)` overrides an answer: `(status, JSON or bytes)`,
+    `"broken"` (a body cut short, then the connection closed), `"not http"` (no HTTP status line) or `("sleep", s)`
+    (no answer for `s` seconds)."""
+
+    def __init__(self, tokenizer, answers=None):
+        import http.server
+        import threading
+
+        from dflash_hf.data.server import TOKENIZATION_PROBE
+
+        probe = tokenizer(TOKENIZATION_PROBE, add_special_tokens=False)["input_ids"]
+        self.answers = {
+            ("GET", "/props"): lambda body: (200, {"total_slots": 4}),
+            ("GET", "/v1/models"): lambda body: (200, {"data": [{"id": "m", "meta": {"n_vocab": 64}}]}),
+            ("POST", "/tokenize"): lambda body: (200, {"tokens": probe}),
+            ("POST", "/completion"): lambda body: (200, {"tokens": [5, 2]}),
+            **(answers or {}),
+        }
+        self.bodies: list[dict] = []
+        scripted = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _answer(self, method: str) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                scripted.bodies.append(body)
+                answer = scripted.answers.get((method, self.path), lambda body: (404, {"error": "not found"}))(body)
+                if isinstance(answer, tuple) and answer[0] == "sleep":
+                    import time
+
+                    time.sleep(answer[1])
+                    return
+                if answer == "not http":
+                    self.wfile.write(b"NOT HTTP\r\n\r\n")
+                    return
+                status, data = (200, b'{"tokens": [5, ') if answer == "broken" else answer
+                data = data if isinstance(data, bytes) else json.dumps(data).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data) + (100 if answer == "broken" else 0)))
+                self.end_headers()
+                self.wfile.write(data)
+                self.close_connection = True
+
+            def do_GET(self) -> None:
+                self._answer("GET")
+
+            def do_POST(self) -> None:
+                self._answer("POST")
+
+        self._http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._http.daemon_threads, self._http.block_on_close = True, False
+        self.url = f"http://127.0.0.1:{self._http.server_address[1]}"
+        self._thread = threading.Thread(target=self._http.serve_forever, daemon=True)
+
+    def __enter__(self) -> "_Scripted":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._http.shutdown()
+        self._http.server_close()
+
+
+def _completion(answer):
+    return {("POST", "/completion"): lambda body: answer}
+
+
+def _models(answer):
+    return {("GET", "/v1/models"): lambda body: (200, answer)}
+
+
+@pytest.mark.parametrize(
+    ("answers", "message"),
+    [
+        (_completion((200, {"tokens": [True, False]})), r"token ids that are not integers \(True\)"),
+        (_completion((200, {"tokens": [5.0, 2.0]})), r"token ids that are not integers \(5.0\)"),
+        (_completion((200, {"tokens": []})), "generated no token for a prompt of 3 tokens"),
+        (_completion("broken"), "sent a broken HTTP answer"),
+        (_completion("not http"), "sent a broken HTTP answer"),
+        (_completion((200, b"[" * 100_000)), "did not answer JSON"),
+        (_models({"data": {"id": "m"}}), "lists no model"),
+        (_models({"data": [{"id": "m"}, 3]}), "lists models without a string `id`"),
+        (_models({"data": [{"meta": {"n_vocab": 64}}]}), "lists models without a string `id`"),
+        (_models({"data": [{"id": "m", "meta": {"n_vocab": [64]}}]}), r"vocabulary size of \[64\], not a number"),
+        ({("POST", "/tokenize"): lambda body: (200, {"tokens": [{"piece": "x"}]})}, "tokenizes a probe text"),
+    ],
+    ids=[
+        "boolean ids",
+        "float ids",
+        "no token",
+        "body cut short",
+        "no status line",
+        "JSON too deep",
+        "models not a list",
+        "model not an object",
+        "model without id",
+        "vocabulary not a number",
+        "tokenize without ids",
+    ],
+)
+def test_broken_answers_are_server_errors_never_rows(answers, message):
+    tok = make_tokenizer()
+    with _Scripted(tok, answers) as server, pytest.raises(ServerError, match=message):
+        responder = _responder(server.url, tok, api="llama.cpp")
+        responder.check()
+        responder([[1, 2, 3]])
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:abc",
+        "http://127.0.0.1:99999",
+        "http://127.0.0.1:0",
+        "http://127.0.0.1:8080/?a=1",
+        "http://h#x",
+    ],
+)
+def test_urls_with_a_bad_port_a_query_or_a_fragment_are_refused_up_front(url):
+    with pytest.raises(ValueError, match="is not an http"):
+        _responder(url, make_tokenizer())
+
+
+def test_https_to_a_plain_server_and_a_v1_base_url_name_the_fix():
+    tok = make_tokenizer()
+    with _Scripted(tok) as server:
+        with pytest.raises(ServerError, match="for a plain HTTP server use an http:// URL"):
+            _responder("https" + server.url[len("http") :], tok).check()
+        with pytest.raises(ServerError, match="without /v1"):
+            _responder(server.url + "/v1", tok).check()
+
+
+def test_a_stalled_server_fails_after_timeout_s_and_a_failed_request_does_not_wait_for_the_others():
+    import time
+
+    tok = make_tokenizer()
+    slow_then_failing = {
+        ("POST", "/completion"): lambda body: ("sleep", 5) if body["prompt"] == [1] else (500, {"error": "boom"})
+    }
+    with _Scripted(tok, slow_then_failing) as server:
+        responder = _responder(server.url, tok, api="llama.cpp", timeout_s=0.5)
+        with pytest.raises(ServerError, match=r"/completion gave no answer within 0.5 s: the server is stalled"):
+            responder([[1]])
+        responder = _responder(server.url, tok, api="llama.cpp")
+        started = time.monotonic()
+        with pytest.raises(ServerError, match="HTTP 500"):
+            responder([[1], [2]])  # the first prompt's request is still in flight
+        assert time.monotonic() - started < 3
+
+
+def test_ctrl_c_returns_at_once_while_requests_are_in_flight():
+    import os
+    import signal
+    import threading
+    import time
+
+    tok = make_tokenizer()
+    with _Scripted(tok, _completion(("sleep", 5))) as server:
+        responder = _responder(server.url, tok, api="llama.cpp")
+        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+        started = time.monotonic()
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            responder([[1], [2]])
+        timer.join()
+        assert time.monotonic() - started < 3  # not after the 5 s answers
+
+
+def test_openai_requests_state_no_repetition_penalty_so_no_served_default_applies():
+    """vLLM and SGLang apply the model's generation_config (Qwen2.5: repetition_penalty 1.1) to what a request leaves
+    out; a greedy row must not be penalized (llama-server's `samplers: ["top_k"]` already leaves penalties out)."""
+    tok = make_tokenizer()
+
+    def penalized_unless_stated(body):
+        stated = (body.get("repetition_penalty"), body.get("presence_penalty"), body.get("frequency_penalty"))
+        tokens = [5, 2] if stated == (1.0, 0.0, 0.0) else [6, 2]
+        return (200, {"choices": [{"text": "", "token_ids": tokens}]})
+
+    openai = {("GET", "/props"): lambda body: (404, {}), ("POST", "/v1/completions"): penalized_unless_stated}
+    with _Scripted(tok, openai) as server:
+        responder = _responder(server.url, tok)
+        assert responder.check()["api"] == "openai"
+        assert responder([[1, 2, 3]]) == [[5, 2]]

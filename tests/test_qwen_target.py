@@ -143,3 +143,32 @@ def test_real_qwen_target_is_exact_with_every_candidate_shape(qwen_gguf, tmp_pat
             assert torch.equal(ours, plain), candidates
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("blocker", ["folder at the file's name", "file at the folder's name"])
+def test_assembly_into_an_unwritable_destination_names_it_and_the_fix(site, tmp_path, blocker):
+    """A destination that cannot be written is a `ValueError` naming it and the fix, not a bare `OSError`."""
+    _install_chunks(site, CHUNKS)
+    out = tmp_path / "out"
+    if blocker == "folder at the file's name":
+        (out / "model.gguf").mkdir(parents=True)
+    else:
+        out.write_bytes(b"not a folder")
+    with pytest.raises(ValueError, match=r"Cannot write .*model.gguf .*must be a writable folder") as info:
+        _spec(CHUNKS).assemble(out, progress=False)
+    assert "DFLASH_HF_CACHE" in str(info.value)
+    assert not any(path.name.startswith(".model.gguf.") for path in tmp_path.rglob("*"))  # no temporary left
+
+
+def test_a_wrong_file_or_link_at_the_destination_is_replaced_never_written_through(site, tmp_path):
+    _install_chunks(site, CHUNKS)
+    whole = b"".join(CHUNKS)
+    out, elsewhere = tmp_path / "out", tmp_path / "precious"
+    out.mkdir()
+    (out / "model.gguf").write_bytes(b"X" * len(whole))  # the right size, another content
+    assert _spec(CHUNKS).assemble(out, progress=False).read_bytes() == whole
+    elsewhere.write_bytes(b"keep me")
+    (out / "model.gguf").unlink()
+    (out / "model.gguf").symlink_to(elsewhere)
+    path = _spec(CHUNKS).assemble(out, progress=False)
+    assert path.read_bytes() == whole and not path.is_symlink() and elsewhere.read_bytes() == b"keep me"

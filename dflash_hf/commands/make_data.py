@@ -78,6 +78,12 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--concurrency", type=int, default=16, help="Requests in flight with --server (at most --batch-size)."
     )
+    parser.add_argument(
+        "--server-timeout",
+        type=float,
+        default=600.0,
+        help="Longest wait in seconds for one answer of the server (default: 600).",
+    )
     add_tap_arguments(parser)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available).")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16.")
@@ -113,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
             args.concurrency,
             args.server_api,
             args.server_model,
+            timeout_s=args.server_timeout,
         )
     else:
         target, tokenizer = load_target(

@@ -371,6 +371,14 @@ def make_data(
         raise ValueError(
             "A server regenerates responses only: drop --responses source and --features-out with --server."
         )
+    if server is not None:
+        vocab_size = target.config.get_text_config().vocab_size
+        if (server.max_new_tokens, server.vocab_size) != (int(max_new_tokens), int(vocab_size)):
+            raise ValueError(
+                f"The server responder was built for max_new_tokens {server.max_new_tokens} and a vocabulary of "
+                f"{server.vocab_size}, this run has {max_new_tokens} and the target {vocab_size}: build it with the "
+                "run's values."
+            )
     served = server.check() if server is not None else None  # before anything is written
     if use_chat_template is None:
         use_chat_template = bool(getattr(tokenizer, "chat_template", None))

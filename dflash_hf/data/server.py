@@ -9,17 +9,22 @@ model's tokens. Two APIs are spoken:
 
 Before any row is made, [`ServerResponder.check`] compares the served model with the target: the vocabulary size
 (when the server reports it) and a tokenization probe (`POST /tokenize`, both APIs). Many requests are in flight at
-once (`concurrency`), one per prompt of a batch; the answers keep the batch's order.
+once (`concurrency`), one per prompt of a batch; the answers keep the batch's order. Each request waits at most
+`timeout_s` for its answer; the requests run on daemon threads, so Ctrl-C (or a failed request) returns at once
+instead of waiting for the others in flight.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
+import queue
+import ssl
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -48,6 +53,8 @@ class ServerResponder:
         concurrency: Requests in flight at once (at least the server's slots, for batched decoding).
         api: `auto` (llama.cpp when `GET /props` answers, else OpenAI), `llama.cpp` or `openai`.
         model: The model name sent to an OpenAI-compatible server (default: the first of `GET /v1/models`).
+        timeout_s: Longest wait for one answer (a whole response: keep `concurrency` near the server's slots, or
+            queued requests wait for the others).
     """
 
     def __init__(
@@ -60,10 +67,28 @@ class ServerResponder:
         concurrency: int = 16,
         api: str = "auto",
         model: str | None = None,
+        timeout_s: float = REQUEST_TIMEOUT_S,
     ) -> None:
-        parsed = urllib.parse.urlparse(url)
-        if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise ValueError(f"--server {url!r} is not an http(s) URL such as http://127.0.0.1:8080.")
+        try:
+            parsed = urllib.parse.urlparse(url)
+            port_ok = parsed.port is None or parsed.port > 0
+        except ValueError:  # a port that is not a number in 0..65535, a broken IPv6 address
+            parsed, port_ok = urllib.parse.urlparse(""), False
+        if (
+            not port_ok
+            or parsed.scheme not in ("http", "https")
+            or not parsed.hostname
+            or parsed.query
+            or parsed.fragment
+        ):
+            raise ValueError(
+                f"--server {url!r} is not an http(s) URL such as http://127.0.0.1:8080 (a host, an optional numeric "
+                "port and path prefix, no query or fragment)."
+            )
+        if int(max_new_tokens) < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}.")
         if api not in API_CHOICES:
             raise ValueError(f"server api must be one of {API_CHOICES}, got {api!r}.")
         if concurrency < 1:
@@ -76,6 +101,7 @@ class ServerResponder:
         self.concurrency = int(concurrency)
         self.api = api
         self.model = model
+        self.timeout_s = float(timeout_s)
 
     # ------------------------------------------------------------------ HTTP
     def _request(self, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -87,14 +113,30 @@ class ServerResponder:
             method="GET" if body is None else "POST",
         )
         try:
-            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 return json.loads(response.read().decode("utf-8"))
         except urllib.error.HTTPError as err:
             detail = err.read().decode("utf-8", "replace")[:300]
-            raise ServerError(f"{self.url}{path} answered HTTP {err.code}: {detail}") from err
-        except (urllib.error.URLError, OSError) as err:
+            hint = " (pass the server's base URL, without /v1)" if err.code == 404 and self.url.endswith("/v1") else ""
+            raise ServerError(f"{self.url}{path} answered HTTP {err.code}: {detail}{hint}") from err
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
+            reason = err.reason if isinstance(err, urllib.error.URLError) else err
+            if isinstance(reason, TimeoutError):
+                raise ServerError(
+                    f"{self.url}{path} gave no answer within {self.timeout_s:g} s: the server is stalled or "
+                    "overloaded; restart it, or lower --concurrency to its slots (or --max-new-tokens)."
+                ) from err
+            if isinstance(reason, ssl.SSLError):
+                raise ServerError(
+                    f"TLS with {self.url} failed ({reason}): for a plain HTTP server use an http:// URL."
+                ) from err
+            if isinstance(err, http.client.HTTPException) and not isinstance(err, OSError):
+                raise ServerError(
+                    f"{self.url}{path} sent a broken HTTP answer ({err!r}): the connection broke off or --server is "
+                    "not an inference server; check it and rerun (finished rows are kept)."
+                ) from err
             raise ServerError(f"Cannot reach the server at {self.url} ({err}): start it or fix --server.") from err
-        except ValueError as err:
+        except (ValueError, RecursionError) as err:
             raise ServerError(f"{self.url}{path} did not answer JSON ({err}).") from err
 
     def _probe_api(self) -> str:
@@ -113,15 +155,26 @@ class ServerResponder:
         self.api = self._probe_api()
         models = self._request("/v1/models")
         entries = models.get("data") if isinstance(models, dict) else None
-        if not entries:
+        if not isinstance(entries, list) or not entries:
             raise ServerError(f"{self.url}/v1/models lists no model: start the server with the target's weights.")
-        entry = entries[0] if self.model is None else next((e for e in entries if e.get("id") == self.model), None)
+        if not all(isinstance(e, dict) and isinstance(e.get("id"), str) for e in entries):
+            raise ServerError(
+                f"{self.url}/v1/models lists models without a string `id` ({json.dumps(entries)[:200]}): it is not "
+                "a llama-server or OpenAI-compatible server; fix --server."
+            )
+        entry = entries[0] if self.model is None else next((e for e in entries if e["id"] == self.model), None)
         if entry is None:
-            served = ", ".join(str(e.get("id")) for e in entries)
+            served = ", ".join(e["id"] for e in entries)
             raise ServerError(f"The server does not serve {self.model!r} (it serves {served}): fix --server-model.")
-        self.model = str(entry.get("id"))
-        served_vocab = (entry.get("meta") or {}).get("n_vocab")
-        if served_vocab is not None and int(served_vocab) != self.vocab_size:
+        self.model = entry["id"]
+        meta = entry.get("meta")
+        served_vocab = meta.get("n_vocab") if isinstance(meta, dict) else None
+        if served_vocab is not None and type(served_vocab) is not int:
+            raise ServerError(
+                f"The served model {self.model!r} reports a vocabulary size of {served_vocab!r}, not a number: "
+                "fix --server (a llama-server reports its GGUF's n_vocab)."
+            )
+        if served_vocab is not None and served_vocab != self.vocab_size:
             raise ServerError(
                 f"The served model {self.model!r} has a vocabulary of {served_vocab} tokens, the target "
                 f"{self.vocab_size}: serve the target's own weights (its GGUF for llama-server)."
@@ -132,8 +185,8 @@ class ServerResponder:
             body = {"model": self.model, "prompt": TOKENIZATION_PROBE, "add_special_tokens": False}
         answer = self._request("/tokenize", body)
         tokens = answer.get("tokens") if isinstance(answer, dict) else None
-        tokens = [t["id"] if isinstance(t, dict) else t for t in tokens] if isinstance(tokens, list) else None
-        if tokens != expected:
+        tokens = [t.get("id") if isinstance(t, dict) else t for t in tokens] if isinstance(tokens, list) else None
+        if tokens is None or any(type(t) is not int for t in tokens) or tokens != expected:
             raise ServerError(
                 f"The served model {self.model!r} tokenizes a probe text differently from the target's tokenizer "
                 f"({tokens} vs {expected}): serve the target's own weights and tokenizer."
@@ -160,16 +213,32 @@ class ServerResponder:
                 "prompt": prompt_ids,
                 "max_tokens": self.max_new_tokens,
                 "temperature": 0.0,
+                # stated, or vLLM/SGLang apply the model's generation_config defaults (Qwen2.5: repetition 1.1)
+                "repetition_penalty": 1.0,
+                "presence_penalty": 0.0,
+                "frequency_penalty": 0.0,
                 "return_token_ids": True,
                 "stream": False,
             }
             answer = self._request("/v1/completions", body)
             choices = answer.get("choices") if isinstance(answer, dict) else None
-            tokens = choices[0].get("token_ids") if choices and isinstance(choices[0], dict) else None
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            first = choices[0] if isinstance(choices, list) and choices else None
+            tokens = first.get("token_ids") if isinstance(first, dict) else None
+        if not isinstance(tokens, list):
             raise ServerError(
                 f"The {self.api} server at {self.url} returned no generated token ids (a server too old for "
                 "`return_tokens` / `return_token_ids`): update it."
+            )
+        if any(type(t) is not int for t in tokens):  # bool is an int subclass: true/false are no token ids
+            bad = next(t for t in tokens if type(t) is not int)
+            raise ServerError(
+                f"The {self.api} server at {self.url} returned token ids that are not integers ({bad!r}): it is not "
+                "a llama-server or OpenAI-compatible server; fix --server."
+            )
+        if not tokens:  # greedy decoding of at least one token always gives one (an end-of-turn token at least)
+            raise ServerError(
+                f"The {self.api} server at {self.url} generated no token for a prompt of {len(prompt_ids)} tokens: "
+                "its context is likely full; raise the server's context size or lower --max-prompt-tokens."
             )
         tokens = tokens[: self.max_new_tokens]
         if any(not 0 <= t < self.vocab_size for t in tokens):
@@ -178,6 +247,34 @@ class ServerResponder:
         return tokens if stop is None else tokens[: stop + 1]
 
     def __call__(self, prompts: list[list[int]]) -> list[list[int]]:
-        """The greedy responses to `prompts` (token ids), in order, with up to `concurrency` requests in flight."""
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, max(1, len(prompts)))) as pool:
-            return list(pool.map(self._complete, prompts))
+        """The greedy responses to `prompts` (token ids), in order, with up to `concurrency` requests in flight.
+
+        The requests run on daemon threads: the first failure (or Ctrl-C) is raised at once, no new request is sent
+        after it, and the ones still in flight are abandoned (never waited for, also not at interpreter exit)."""
+        results: list[list[int]] = [[] for _ in prompts]
+        outcomes: queue.SimpleQueue[tuple[int, list[int] | BaseException]] = queue.SimpleQueue()
+        pending = iter(range(len(prompts)))
+        lock, stop = threading.Lock(), threading.Event()
+
+        def work() -> None:
+            while not stop.is_set():
+                with lock:
+                    index = next(pending, None)
+                if index is None:
+                    return
+                try:
+                    outcomes.put((index, self._complete(prompts[index])))
+                except BaseException as err:  # noqa: BLE001 (handed to the caller's thread)
+                    outcomes.put((index, err))
+
+        for _ in range(min(self.concurrency, len(prompts))):
+            threading.Thread(target=work, name="dflash-hf-server-request", daemon=True).start()
+        try:
+            for _ in prompts:
+                index, outcome = outcomes.get()
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                results[index] = outcome
+        finally:
+            stop.set()
+        return results
