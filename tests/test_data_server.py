@@ -56,6 +56,17 @@ def test_server_rows_equal_in_process_rows(target, tmp_path, api):
     }
 
 
+def test_the_server_stays_busy_across_parts(target, tmp_path):
+    """Parts of 2 rows with 6 requests in flight: the next parts' requests are sent before a part is written."""
+    tok = make_tokenizer()
+    src = str(write_prompts(tmp_path / "p.jsonl"))
+    with StandInServer(target, tok) as server:
+        responder = _responder(server.url, tok, concurrency=6)
+        make_data(target, tok, tmp_path / "out", source=src, server=responder, **{**KWARGS, "batch_size": 2})
+    assert server.most_in_flight > 2
+    assert len(list((tmp_path / "out" / "parts").glob("part-*"))) == -(-len(PROMPTS) // 2)
+
+
 def test_server_runs_resume_and_are_not_mixed_with_in_process_rows(target, tmp_path):
     tok = make_tokenizer()
     src = str(write_prompts(tmp_path / "p.jsonl"))

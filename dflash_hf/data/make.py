@@ -265,8 +265,12 @@ def _encoded(
         yield prompt, ids
 
 
+Chunk = list[tuple[Prompt, list[int]]]
+"""The `(prompt, prompt ids)` pairs of one part."""
+
+
 def _write_parts(
-    respond: Callable[[list[tuple[Prompt, list[int]]]], list[list[int]]],
+    respond: Callable[[list[Chunk]], Iterator[list[list[int]]]],
     parts: Path,
     encoded: Iterator[tuple[Prompt, list[int]]],
     done: list[dict],
@@ -275,8 +279,9 @@ def _write_parts(
     progress: bool,
     recorder: FeatureRecorder | None = None,
 ) -> int:
-    """Make responses (`respond(batch)`) batch by batch, each batch written as a new part (after its features, with a
-    `recorder`), until `done` holds `goal` records (or the prompts run out); returns how many records were made."""
+    """Make responses batch by batch (`respond(batches)` yields each batch's in turn), each batch written as a new part
+    (after its features, with a `recorder`), until `done` holds `goal` records (or the prompts run out); returns how
+    many records were made."""
     part_no = next_part_number(parts)
     generated = 0
     with tqdm(total=goal, initial=min(len(done), goal), desc="make-data", unit="sample", disable=not progress) as bar:
@@ -285,22 +290,25 @@ def _write_parts(
             if not window:
                 break
             window.sort(key=lambda item: len(item[1]))  # length-sorted batches waste less padding
+            chunks, remaining = [], goal - len(done)
             for start in range(0, len(window), batch_size):
-                if len(done) >= goal:
+                if remaining <= 0:
                     break
-                chunk = window[start : start + min(batch_size, goal - len(done))]
-                responses = respond(chunk)
-                records = [
-                    {"id": p.id, "input_ids": ids + resp, "prompt_length": len(ids)}
-                    for (p, ids), resp in zip(chunk, responses)
-                ]
-                if recorder is not None:  # features first: a part never exists without its features
-                    recorder.store(records, max(len(ids) for _, ids in chunk) if recorder.recorded else None)
-                write_part(parts / f"part-{part_no:06d}.jsonl.gz", records)
-                part_no += 1
-                done.extend(records)
-                generated += len(records)
-                bar.update(len(records))
+                chunks.append(window[start : start + min(batch_size, remaining)])
+                remaining -= len(chunks[-1])
+            with contextlib.closing(respond(chunks)) as answers:
+                for chunk, responses in zip(chunks, answers):
+                    records = [
+                        {"id": p.id, "input_ids": ids + resp, "prompt_length": len(ids)}
+                        for (p, ids), resp in zip(chunk, responses)
+                    ]
+                    if recorder is not None:  # features first: a part never exists without its features
+                        recorder.store(records, max(len(ids) for _, ids in chunk) if recorder.recorded else None)
+                    write_part(parts / f"part-{part_no:06d}.jsonl.gz", records)
+                    part_no += 1
+                    done.extend(records)
+                    generated += len(records)
+                    bar.update(len(records))
     return generated
 
 
@@ -311,21 +319,36 @@ def _responder(
     max_new_tokens: int,
     recorder: FeatureRecorder | None,
     server: ServerResponder | None = None,
-) -> Callable[[list[tuple[Prompt, list[int]]]], list[list[int]]]:
-    """The response tokens of a batch of `(prompt, prompt ids)`: the target's greedy answers (recorded by `recorder`
-    when given, or made by a `server`), or the source's replies."""
+) -> Callable[[list[Chunk]], Iterator[list[list[int]]]]:
+    """The response tokens of batches of `(prompt, prompt ids)`, yielded batch by batch: the target's greedy answers
+    (each batch generated when its turn comes, recorded by `recorder` when given), a `server`'s (every batch's
+    requests sent at once, `concurrency` in flight, so the server stays busy while a part is written), or the
+    source's replies."""
     if server is not None:
-        return lambda chunk: server([ids for _, ids in chunk])
+
+        def served(chunks: list[Chunk]) -> Iterator[list[list[int]]]:
+            answers = server.responses([ids for chunk in chunks for _, ids in chunk])
+            try:
+                for chunk in chunks:
+                    yield [next(answers) for _ in chunk]
+            finally:
+                answers.close()
+
+        return served
     if responses == "source":
         eos = token_ids(target.generation_config.eos_token_id, getattr(tokenizer, "eos_token_id", None))
         end_id = eos[0] if eos else None
-        return lambda chunk: [source_response(tokenizer, p.reply, end_id, max_new_tokens) for p, _ in chunk]
+        return lambda chunks: (
+            [source_response(tokenizer, p.reply, end_id, max_new_tokens) for p, _ in c] for c in chunks
+        )
 
-    def respond(chunk):
-        with recorder.recording() if recorder is not None else contextlib.nullcontext():
-            return regenerate(target, tokenizer, [ids for _, ids in chunk], max_new_tokens)
+    def generated(chunks: list[Chunk]) -> Iterator[list[list[int]]]:
+        for chunk in chunks:
+            with recorder.recording() if recorder is not None else contextlib.nullcontext():
+                responses = regenerate(target, tokenizer, [ids for _, ids in chunk], max_new_tokens)
+            yield responses
 
-    return respond
+    return generated
 
 
 def make_data(

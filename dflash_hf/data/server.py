@@ -24,7 +24,7 @@ import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -247,11 +247,17 @@ class ServerResponder:
         return tokens if stop is None else tokens[: stop + 1]
 
     def __call__(self, prompts: list[list[int]]) -> list[list[int]]:
-        """The greedy responses to `prompts` (token ids), in order, with up to `concurrency` requests in flight.
+        """The greedy responses to `prompts` (token ids), in order (see [`responses`])."""
+        return list(self.responses(prompts))
 
-        The requests run on daemon threads: the first failure (or Ctrl-C) is raised at once, no new request is sent
-        after it, and the ones still in flight are abandoned (never waited for, also not at interpreter exit)."""
-        results: list[list[int]] = [[] for _ in prompts]
+    def responses(self, prompts: list[list[int]]) -> Iterator[list[int]]:
+        """The greedy responses to `prompts` (token ids), yielded in order as soon as each is in, with up to
+        `concurrency` requests in flight all along (a caller writing the first answers keeps the server busy).
+
+        The requests run on daemon threads: the first failure (or Ctrl-C, or closing the iterator) stops them at
+        once, no new request is sent after it, and the ones still in flight are abandoned (never waited for, also
+        not at interpreter exit)."""
+        results: dict[int, list[int]] = {}
         outcomes: queue.SimpleQueue[tuple[int, list[int] | BaseException]] = queue.SimpleQueue()
         pending = iter(range(len(prompts)))
         lock, stop = threading.Lock(), threading.Event()
@@ -270,11 +276,12 @@ class ServerResponder:
         for _ in range(min(self.concurrency, len(prompts))):
             threading.Thread(target=work, name="dflash-hf-server-request", daemon=True).start()
         try:
-            for _ in prompts:
-                index, outcome = outcomes.get()
-                if isinstance(outcome, BaseException):
-                    raise outcome
-                results[index] = outcome
+            for wanted in range(len(prompts)):
+                while wanted not in results:
+                    index, outcome = outcomes.get()
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                    results[index] = outcome
+                yield results.pop(wanted)
         finally:
             stop.set()
-        return results
