@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -64,8 +65,10 @@ def _remove(path: Path) -> None:
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
     """Write the file `path` through a temporary file `NAME` inside a new private folder `.NAME.<random>.tmp` beside
     it: `write(temporary)` fills it, it is flushed to disk and renamed into place, so `path` is either absent, the old
-    file or the complete new one. A link at `path` is replaced, never written through."""
+    file or the complete new one. A link at `path` is replaced, never written through; leftovers of a killed earlier
+write of `path` are removed first."""
     path = Path(path)
+    remove_leftovers(path.parent, (f".{glob.escape(path.name)}.*.tmp",))  # of a killed earlier write
     folder = _private_folder(path, ".tmp")
     temporary = folder / path.name
     try:
@@ -88,7 +91,8 @@ def atomic_write_folder(path: str | os.PathLike, write: Callable[[Path], None]) 
     replaces `path` (an old `path` is moved aside first and put back if the swap fails), so `path` is either absent,
     the old folder or the complete new one. Leftovers of an interrupted earlier write are removed first."""
     path = Path(path)
-    remove_leftovers(path.parent, (f".{path.name}.*partial", f".{path.name}.*previous"))
+    name = glob.escape(path.name)
+    remove_leftovers(path.parent, (f".{name}.*partial", f".{name}.*previous"))
     staging = _private_folder(path, ".partial")
     staging.chmod(0o777 & ~_umask())  # it becomes `path`: the mode of an ordinary new folder
     holder = _private_folder(path, ".previous")

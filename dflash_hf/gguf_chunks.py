@@ -12,12 +12,30 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm.auto import tqdm
+from huggingface_hub.utils import tqdm  # hidden with the Hub's bars (`--quiet`)
 
 from .fileio import atomic_write
+
+
+def package_folder(module: str) -> Path | None:
+    """Folder of an installed package, found without importing it (weight packages may import heavy plugins), or
+    `None` when it is not installed."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def installed_version(distribution: str) -> str | None:
+    """Installed version of a pip distribution, or `None` when it is not installed."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -29,18 +47,13 @@ class ChunkPart:
     file: str
 
     def path(self) -> Path | None:
-        """The chunk file of the installed package (found without importing it), or `None` when it is missing."""
-        spec = importlib.util.find_spec(self.module)
-        if spec is None or not spec.submodule_search_locations:
-            return None
-        path = Path(next(iter(spec.submodule_search_locations))) / self.file
-        return path if path.is_file() else None
+        """The chunk file of the installed package, or `None` when it is missing."""
+        folder = package_folder(self.module)
+        path = None if folder is None else folder / self.file
+        return path if path is not None and path.is_file() else None
 
     def version(self) -> str | None:
-        try:
-            return importlib.metadata.version(self.distribution)
-        except importlib.metadata.PackageNotFoundError:
-            return None
+        return installed_version(self.distribution)
 
 
 @dataclass(frozen=True)
@@ -109,9 +122,10 @@ class ChunkedGGUF:
 
     def assemble(self, folder: str | os.PathLike, progress: bool = True) -> Path:
         """Concatenate the chunks into `folder/file_name` after checking the result's size and sha256; returns the
-        path. An intact file already there is reused (its hash is checked again)."""
+        path. The file is hashed as it is written and renamed into place only when it is the exact file; an intact
+        file already there is reused (its hash is checked again)."""
         final = Path(folder) / self.file_name
-        if final.is_file() and final.stat().st_size == self.size and _sha256_of([final]) == self.sha256:
+        if final.is_file() and final.stat().st_size == self.size and sha256_of([final]) == self.sha256:
             return final
         paths = self.part_paths()
         total = sum(path.stat().st_size for path in paths)
@@ -120,15 +134,19 @@ class ChunkedGGUF:
                 f"The chunks of {self.file_name} add up to {total:,} bytes, not {self.size:,}: a chunk is damaged; "
                 f'reinstall them: `pip install --force-reinstall "dflash-hf[{self.extra}]"`.'
             )
-        digest = _sha256_of(paths, desc=f"Checking {self.file_name}" if progress else None)
-        if digest != self.sha256:
-            raise ValueError(
-                f"The chunks of {self.file_name} assemble to sha256 {digest}, not {self.sha256}: a chunk is damaged "
-                f'or of another upload; reinstall them: `pip install --force-reinstall "dflash-hf[{self.extra}]"`.'
-            )
+
+        def write(temporary: Path) -> None:
+            digest = _concatenate(paths, temporary, f"Assembling {self.file_name}" if progress else None)
+            if digest != self.sha256:
+                raise ValueError(
+                    f"The chunks of {self.file_name} assemble to sha256 {digest}, not {self.sha256}: a chunk is "
+                    f"damaged or of another upload; reinstall them: "
+                    f'`pip install --force-reinstall "dflash-hf[{self.extra}]"`.'
+                )
+
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(final, lambda temporary: _concatenate(paths, temporary))
+            atomic_write(final, write)
         except OSError as err:  # read-only or full disk, a folder at the file's name, a file at the folder's
             raise ValueError(
                 f"Cannot write {final} ({err.strerror or err}): {final.parent} must be a writable folder with "
@@ -138,22 +156,30 @@ class ChunkedGGUF:
         return final
 
 
-def _concatenate(paths: list[Path], destination: Path) -> None:
-    with destination.open("xb") as out:
-        for path in paths:
-            with path.open("rb") as chunk:
-                while block := chunk.read(1 << 22):
-                    out.write(block)
-
-
-def _sha256_of(paths: list[Path], desc: str | None = None) -> str:
-    """The sha256 of the files of `paths` read one after another (a progress bar when `desc` is given)."""
-    digest = hashlib.sha256()
+def _read(paths: list[Path], desc: str | None) -> Iterator[bytes]:
+    """The bytes of the files of `paths` one after another, in blocks (a progress bar when `desc` is given)."""
     total = sum(path.stat().st_size for path in paths)
     with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=desc is None) as bar:
         for path in paths:
             with path.open("rb") as handle:
                 while block := handle.read(1 << 22):
-                    digest.update(block)
                     bar.update(len(block))
+                    yield block
+
+
+def _concatenate(paths: list[Path], destination: Path, desc: str | None = None) -> str:
+    """Write the files of `paths` one after another into the new file `destination`; returns the sha256 written."""
+    digest = hashlib.sha256()
+    with destination.open("xb") as out:
+        for block in _read(paths, desc):
+            digest.update(block)
+            out.write(block)
+    return digest.hexdigest()
+
+
+def sha256_of(paths: list[Path], desc: str | None = None) -> str:
+    """The sha256 of the files of `paths` read one after another (a progress bar when `desc` is given)."""
+    digest = hashlib.sha256()
+    for block in _read(paths, desc):
+        digest.update(block)
     return digest.hexdigest()

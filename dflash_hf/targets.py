@@ -28,9 +28,7 @@ Any other name is passed to `AutoModelForCausalLM.from_pretrained` unchanged (a 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -55,7 +53,7 @@ from transformers import (
 
 from .drafter_folder import check_drafter_folder
 from .fileio import discard, path_inside, read_json, set_ordinary_mode
-from .gguf_chunks import ChunkedGGUF
+from .gguf_chunks import ChunkedGGUF, installed_version, package_folder, sha256_of
 from .runtime import resolve_dtype
 from .special_tokens import first_token_id, token_ids
 
@@ -93,10 +91,7 @@ class TargetSpec:
 
     def source_version(self) -> str | None:
         """Installed version of `distribution`, or `None` when it is not installed."""
-        try:
-            return importlib.metadata.version(self.distribution)
-        except importlib.metadata.PackageNotFoundError:
-            return None
+        return installed_version(self.distribution)
 
 
 # weight packages whose declared dependencies are not needed (and expensive: compiled from source)
@@ -112,11 +107,11 @@ def _missing_package(distribution: str, module: str) -> ValueError:
 
 
 def _package_dir(module: str, distribution: str) -> Path:
-    """Folder of an installed package, found without importing it (some weight packages import heavy plugins)."""
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
+    """Folder of an installed weights package; a `ValueError` naming the install command when it is missing."""
+    folder = package_folder(module)
+    if folder is None:
         raise _missing_package(distribution, module)
-    return Path(next(iter(spec.submodule_search_locations)))
+    return folder
 
 
 def load_gguf(gguf_path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -274,14 +269,6 @@ def resolve_drafter_dir(target: str, drafter: Path | None) -> Path:
     return folder
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _source_record(spec: TargetSpec) -> dict[str, str | None]:
     return {"distribution": spec.distribution, "version": spec.source_version()}
 
@@ -317,7 +304,7 @@ def cache_problem(directory: str | Path, spec: TargetSpec) -> str | None:
             return f"missing file {name}"
         if path.stat().st_size != expected.get("size"):
             return f"{name} has the wrong size"
-        if _sha256(path) != expected.get("sha256"):
+        if sha256_of([path]) != expected.get("sha256"):
             return f"{name} is corrupt (sha256 mismatch)"
     return None
 
@@ -334,7 +321,7 @@ def _prepare_for_saving(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
 def _write_marker(directory: Path, spec: TargetSpec) -> None:
     files = {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        files[path.relative_to(directory).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+        files[path.relative_to(directory).as_posix()] = {"size": path.stat().st_size, "sha256": sha256_of([path])}
     marker = {
         "format": CACHE_FORMAT,
         "target": spec.name,

@@ -255,6 +255,7 @@ def _models(answer):
         (_models({"data": [{"meta": {"n_vocab": 64}}]}), "lists models without a string `id`"),
         (_models({"data": [{"id": "m", "meta": {"n_vocab": [64]}}]}), r"vocabulary size of \[64\], not a number"),
         ({("POST", "/tokenize"): lambda body: (200, {"tokens": [{"piece": "x"}]})}, "tokenizes a probe text"),
+        (_completion((200, {"tokens": [5, 6, 7]})), "stopped after 3 of 10 tokens on token 7, which the target"),
     ],
     ids=[
         "boolean ids",
@@ -268,6 +269,7 @@ def _models(answer):
         "model without id",
         "vocabulary not a number",
         "tokenize without ids",
+        "stopped short without EOS",
     ],
 )
 def test_broken_answers_are_server_errors_never_rows(answers, message):

@@ -54,7 +54,9 @@ def test_chunks_assemble_into_the_checked_file(site, tmp_path):
     _install_chunks(site, CHUNKS)
     path = _spec(CHUNKS).assemble(tmp_path / "out", progress=False)
     assert path.read_bytes() == b"".join(CHUNKS)
-    assert _spec(CHUNKS).assemble(tmp_path / "out", progress=False) == path  # an intact file is reused
+    written = path.stat().st_mtime_ns, path.stat().st_ino
+    assert _spec(CHUNKS).assemble(tmp_path / "out", progress=False) == path
+    assert (path.stat().st_mtime_ns, path.stat().st_ino) == written  # an intact file is reused, not rewritten
 
 
 @pytest.mark.parametrize(

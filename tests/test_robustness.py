@@ -560,6 +560,14 @@ def test_atomic_write_never_writes_through_a_planted_link(tmp_path, planted):
     assert stat.S_IMODE((out / "d.gguf").stat().st_mode) == FILE_MODE
 
 
+def test_atomic_write_clears_the_leftovers_of_a_killed_write(tmp_path):
+    leftover = tmp_path / ".manifest.json.k1ll3d.tmp"
+    leftover.mkdir()
+    (leftover / "manifest.json").write_text("half")
+    fileio.atomic_write_text(tmp_path / "manifest.json", "{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]
+
+
 def test_atomic_folder_write_never_writes_through_planted_links(tmp_path):
     victim = tmp_path / "victim"
     victim.mkdir()

@@ -288,6 +288,33 @@ def test_batch_stopping_criteria_are_called_on_the_whole_batch(target, budget, c
         assert 1 + sum(accepted) == len(strip(plain[row])) - int(mask[row].sum())  # the prefill gives the first
 
 
+@pytest.mark.parametrize("budget", [[14, 15], [15, 15], [13, 16], [16, 14]])
+def test_a_stop_inside_the_last_length_capped_block_is_judged(target, budget):
+    """An exact oracle commits whole blocks: the block that reaches max_new_tokens also holds the stop."""
+    ids, mask = _batch()
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False)
+    kwargs = dict(max_new_tokens=MAX_NEW, do_sample=False)
+    plain = target.generate(ids, attention_mask=mask, stopping_criteria=[_PerRowBudget(9, budget)], **kwargs)
+    oracle = make_oracle(target, [strip(row) for row in free])
+    for rows in (slice(0, 2), slice(1, 2)):
+        ours = dflash_hf.generate(
+            target,
+            oracle,
+            ids[rows],
+            attention_mask=mask[rows],
+            stopping_criteria=[_PerRowBudget(9, budget[rows])],
+            **kwargs,
+        )
+        expected = (
+            plain[rows]
+            if rows.start == 0
+            else target.generate(
+                ids[rows], attention_mask=mask[rows], stopping_criteria=[_PerRowBudget(9, budget[rows])], **kwargs
+            )
+        )
+        assert torch.equal(ours, expected)
+
+
 def test_a_criterion_reading_other_rows_stops_as_in_plain_generate(target):
     ids, mask = _batch()
     free = target.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False)

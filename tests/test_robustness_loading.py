@@ -61,9 +61,8 @@ def test_a_shard_index_naming_files_outside_the_folder_is_refused(saved, tmp_pat
             DFlashDraftModel.from_pretrained(saved)
     (saved / "model.safetensors.index.json").unlink()
     (saved / "placeholder.safetensors").unlink()
-    (saved / "model.safetensors").symlink_to(outside)  # a link out of the folder
-    with pytest.raises(ValueError, match="outside its folder"):
-        DFlashDraftModel.from_pretrained(saved)
+    (saved / "model.safetensors").symlink_to(outside)  # a link, as in a Hub cache snapshot, is read through
+    assert DFlashDraftModel.from_pretrained(saved).config.block_size == 4
 
 
 def test_integer_weights_are_refused_not_cast(saved):

@@ -125,6 +125,8 @@ def test_tv_weight_is_checked_and_needs_the_teacher(tmp_path):
         config(tmp_path, tv_weight=0.6, distill_weight=0.5)
     with pytest.raises(ValueError, match="tv_weight must be in"):
         config(tmp_path, tv_weight=-0.1)
+    for distill, tv in ((0.8, 0.2), (0.9, 0.1), (0.0, 1.0)):  # weights adding up to 1 in floats
+        assert config(tmp_path, distill_weight=distill, tv_weight=tv).tv_weight == tv
 
 
 def test_target_hard_labels_are_the_targets_argmax(tiny_data, tmp_path):

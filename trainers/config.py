@@ -234,7 +234,7 @@ class DFlashTrainingConfig(TrainingArguments):
             self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         if not 0.0 <= float(self.distill_weight) <= 1.0:
             raise ValueError(f"distill_weight must be in [0, 1], got {self.distill_weight}.")
-        if not 0.0 <= float(self.tv_weight) <= 1.0 - float(self.distill_weight):
+        if not 0.0 <= float(self.tv_weight) <= 1.0 - float(self.distill_weight) + 1e-9:  # 0.8 + 0.2 is 1
             raise ValueError(
                 f"tv_weight must be in [0, 1 - distill_weight] = [0, {1.0 - float(self.distill_weight)}], got "
                 f"{self.tv_weight}: the hard-label weight 1 - distill_weight - tv_weight cannot be negative."

@@ -123,7 +123,7 @@ def slot_losses(
     needed when either is > 0."""
     ce = F.cross_entropy(logits, labels, reduction="none", ignore_index=-100)
     if distill_weight > 0 or tv_weight > 0:
-        ce = (1.0 - distill_weight - tv_weight) * ce
+        ce = max(0.0, 1.0 - distill_weight - tv_weight) * ce
     if distill_weight > 0:
         ce = ce + distill_weight * -(target_probs * logits.float().log_softmax(dim=-1)).sum(dim=-1)
     if tv_weight > 0:

@@ -187,10 +187,12 @@ def _training_dataset(train_dataset, args: DFlashTrainingConfig, model: DFlashDr
         if (float(args.distill_weight) > 0 or float(args.tv_weight) > 0 or args.hard_labels == "target") and not (
             train_dataset.has_final_hidden
         ):
+            uses = [f"{name}={getattr(args, name)}" for name in ("distill_weight", "tv_weight") if getattr(args, name)]
+            uses += ["hard_labels='target'"] if args.hard_labels == "target" else []
             raise ValueError(
-                f"distill_weight={args.distill_weight} needs the target's final hidden states, but the features in "
+                f"{' and '.join(uses)} need(s) the target's final hidden states, but the features in "
                 f"{args.features_dir} were cached without them: recache with `dflash-hf cache-features` (without "
-                "--no-final-hidden), use features='online', or set distill_weight 0."
+                "--no-final-hidden), use features='online', or set them to 0 / 'data'."
             )
     if (first, end) != (0, len(train_dataset)):
         train_dataset = torch.utils.data.Subset(train_dataset, range(first, end))

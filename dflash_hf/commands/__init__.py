@@ -61,7 +61,7 @@ def hidden_progress_bars(hide: bool) -> Iterator[None]:
         yield
         return
     import datasets
-    from huggingface_hub.utils import disable_progress_bars
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
     from transformers.utils import logging as hf_logging
 
     with contextlib.ExitStack() as restore:
@@ -71,7 +71,9 @@ def hidden_progress_bars(hide: bool) -> Iterator[None]:
         if not datasets.are_progress_bars_disabled():
             datasets.disable_progress_bars()
             restore.callback(datasets.enable_progress_bars)
-        restore.enter_context(disable_progress_bars())
+        if not are_progress_bars_disabled():
+            disable_progress_bars()  # a plain call: older huggingface_hub releases have no context manager
+            restore.callback(enable_progress_bars)
         yield
 
 

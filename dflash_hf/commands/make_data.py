@@ -76,7 +76,10 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--server-model", default=None, help="Model name on an OpenAI-compatible server.")
     parser.add_argument(
-        "--concurrency", type=int, default=16, help="Requests in flight with --server (at most --batch-size)."
+        "--concurrency",
+        type=int,
+        default=16,
+        help="Requests in flight with --server (default 16; match the server's slots).",
     )
     parser.add_argument(
         "--server-timeout",

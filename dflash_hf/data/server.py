@@ -9,7 +9,9 @@ model's tokens. Two APIs are spoken:
 
 Before any row is made, [`ServerResponder.check`] compares the served model with the target: the vocabulary size
 (when the server reports it) and a tokenization probe (`POST /tokenize`, both APIs). Many requests are in flight at
-once (`concurrency`), one per prompt of a batch; the answers keep the batch's order. Each request waits at most
+once (`concurrency`, across the prompts given together); the answers keep their order. A response that stops short of
+`max_new_tokens` without one of the target's EOS ids (the server's context was full, or it ended on a token the
+target does not end on) is refused: plain greedy decoding would have gone on. Each request waits at most
 `timeout_s` for its answer; the requests run on daemon threads, so Ctrl-C (or a failed request) returns at once
 instead of waiting for the others in flight.
 """
@@ -35,6 +37,7 @@ TOKENIZATION_PROBE = (
 )
 API_CHOICES = ("auto", "llama.cpp", "openai")
 REQUEST_TIMEOUT_S = 600.0
+MAX_TIMEOUT_S = 86_400.0
 
 
 class ServerError(ValueError):
@@ -87,8 +90,8 @@ class ServerResponder:
             )
         if int(max_new_tokens) < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}.")
+        if not 0 < timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"timeout_s must be > 0 and at most {MAX_TIMEOUT_S:g} s (a day), got {timeout_s}.")
         if api not in API_CHOICES:
             raise ValueError(f"server api must be one of {API_CHOICES}, got {api!r}.")
         if concurrency < 1:
@@ -244,6 +247,13 @@ class ServerResponder:
         if any(not 0 <= t < self.vocab_size for t in tokens):
             raise ServerError(f"The server returned token ids outside the target's vocabulary of {self.vocab_size}.")
         stop = next((i for i, t in enumerate(tokens) if t in self.end_ids), None)
+        if stop is None and len(tokens) < self.max_new_tokens:
+            raise ServerError(
+                f"The {self.api} server at {self.url} stopped after {len(tokens)} of {self.max_new_tokens} tokens on "
+                f"token {tokens[-1]}, which the target does not end on: its context per slot is too small (llama-server:"
+                " -c SLOTS x (prompt + new tokens)) or it ends on other tokens than the target's EOS ids "
+                f"{sorted(self.end_ids)}; fix the server (or the target's generation_config) and rerun."
+            )
         return tokens if stop is None else tokens[: stop + 1]
 
     def __call__(self, prompts: list[list[int]]) -> list[list[int]]:

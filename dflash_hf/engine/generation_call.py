@@ -356,12 +356,13 @@ class GenerationCall:
             return
         while True:
             running = [row for row in range(self.batch) if not self.finished[row]]
-            if not running or self.judged >= min(self.lengths[row] for row in running):
+            reached = min(self.lengths[row] for row in running) if running else max(self.lengths)
+            if self.judged >= reached:
                 return
             column = self.judged
             stops = self.stopping_criteria(self.sequences[:, : column + 1], None)
-            for row in running:
-                if bool(stops[row]):
+            for row in range(self.batch):  # rows that stopped at the length limit are judged up to it too
+                if self.lengths[row] > column and bool(stops[row]):
                     self._truncate(row, column + 1)
             self.judged += 1
 

@@ -1,7 +1,7 @@
 """Check `dflash-hf make-data --server` against a running llama-server (started by make_data_server.sh).
 
 1. `make-data --server` regenerates ROWS rows through the server; a few rows are asked again one request at a time
-   (a row must be the served model's own greedy answer, whatever else was in flight).
+   (how many come back identical shows how much llama-server's batched kernels depend on what else is in flight).
 2. In-process `make-data` makes the first rows of the same prompt order with the target in float32.
 3. The rows must share their prompt tokens; the report gives both rates (rows/s, response tokens/s) and how many
    responses are identical (the server computes with the GGUF's quantized weights, the in-process target with their

@@ -363,8 +363,8 @@ class DFlashPreTrainedModel(PreTrainedModel):
         * weights are read from safetensors only: a folder holding only pickled weights (`pytorch_model.bin`) is
           refused without the pickle ever being opened;
         * missing, unexpected or wrongly shaped tensors raise a `ValueError` instead of being silently re-initialised,
-          and so do a truncated or corrupt weights file, a weight file named outside the folder, a tensor of a
-          non-floating dtype and an invalid `config.json`.
+          and so do a truncated or corrupt weights file, an invalid `config.json` and, in a local folder, a shard
+          index naming a file outside it and a tensor of a non-floating dtype.
         """
         if kwargs.get("use_safetensors") is False:
             raise ValueError("DFlash drafters load from safetensors only; drop `use_safetensors=False`.")
@@ -443,8 +443,8 @@ def _safetensors_header(path: str) -> dict:
 
 
 def _check_weight_files(folder: str) -> None:
-    """Refuse weight files named outside `folder` (by the shard index or through a link) and non-float tensors."""
-    root = os.path.realpath(folder)
+    """Refuse weight files named outside `folder` by the shard index, and non-float tensors. (A weight file may be a
+    link, as in a Hub cache snapshot; Transformers reads it through the link too.)"""
     names = sorted(name for name in os.listdir(folder) if name.endswith(".safetensors"))
     index_path = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index_path):
@@ -458,7 +458,7 @@ def _check_weight_files(folder: str) -> None:
         names = sorted(set(weight_map.values()))
     for name in names:
         path = os.path.join(folder, name)
-        if os.path.basename(name) != name or os.path.dirname(os.path.realpath(path)) != root:
+        if os.path.basename(name) != name or name in ("", ".", ".."):
             raise ValueError(
                 f"The drafter in {folder} names the weight file {name!r}, outside its folder: re-export it."
             )
