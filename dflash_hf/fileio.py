@@ -64,9 +64,9 @@ def _remove(path: Path) -> None:
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
     """Write the file `path` through a temporary file `NAME` inside a new private folder `.NAME.<random>.tmp` beside
-    it: `write(temporary)` fills it, it is flushed to disk and renamed into place, so `path` is either absent, the old
-    file or the complete new one. A link at `path` is replaced, never written through; leftovers of a killed earlier
-write of `path` are removed first."""
+        it: `write(temporary)` fills it, it is flushed to disk and renamed into place, so `path` is either absent, the old
+        file or the complete new one. A link at `path` is replaced, never written through; leftovers of a killed earlier
+    write of `path` are removed first."""
     path = Path(path)
     remove_leftovers(path.parent, (f".{glob.escape(path.name)}.*.tmp",))  # of a killed earlier write
     folder = _private_folder(path, ".tmp")

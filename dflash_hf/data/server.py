@@ -288,7 +288,10 @@ class ServerResponder:
         try:
             for wanted in range(len(prompts)):
                 while wanted not in results:
-                    index, outcome = outcomes.get()
+                    try:  # short waits: a Ctrl-C is taken at once, however the platform wakes blocked waits
+                        index, outcome = outcomes.get(timeout=0.1)
+                    except queue.Empty:
+                        continue
                     if isinstance(outcome, BaseException):
                         raise outcome
                     results[index] = outcome
