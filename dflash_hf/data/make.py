@@ -390,19 +390,7 @@ def make_data(
     # one sequence (check, read prompts and finished parts, make the missing rows, publish); the signature and the
     # docstring are a third of its length
     _check_arguments(responses, max_new_tokens, batch_size, max_samples, features_dir, target_layer_ids)
-    if server is not None and (responses != "regenerate" or features_dir is not None):
-        raise ValueError(
-            "A server regenerates responses only: drop --responses source and --features-out with --server."
-        )
-    if server is not None:
-        vocab_size = target.config.get_text_config().vocab_size
-        if (server.max_new_tokens, server.vocab_size) != (int(max_new_tokens), int(vocab_size)):
-            raise ValueError(
-                f"The server responder was built for max_new_tokens {server.max_new_tokens} and a vocabulary of "
-                f"{server.vocab_size}, this run has {max_new_tokens} and the target {vocab_size}: build it with the "
-                "run's values."
-            )
-    served = server.check() if server is not None else None  # before anything is written
+    served = _check_server(server, target, responses, features_dir, max_new_tokens)  # before anything is written
     if use_chat_template is None:
         use_chat_template = bool(getattr(tokenizer, "chat_template", None))
     check_output_folder(out_dir)
@@ -489,6 +477,31 @@ def _check_arguments(
         raise ValueError(f"max_samples must be >= 1, got {max_samples}.")
     if features_dir is not None and not target_layer_ids:
         raise ValueError("features_dir needs target_layer_ids (the target layers the drafter will tap).")
+
+
+def _check_server(
+    server: ServerResponder | None,
+    target: PreTrainedModel,
+    responses: str,
+    features_dir: str | os.PathLike | None,
+    max_new_tokens: int,
+) -> dict[str, Any] | None:
+    """What [`ServerResponder.check`] found of `server` (`None` without one), once it is known to serve this run: a
+    `ValueError` for options a server cannot honour or a responder built for other settings."""
+    if server is None:
+        return None
+    if responses != "regenerate" or features_dir is not None:
+        raise ValueError(
+            "A server regenerates responses only: drop --responses source and --features-out with --server."
+        )
+    vocab_size = target.config.get_text_config().vocab_size
+    if (server.max_new_tokens, server.vocab_size) != (int(max_new_tokens), int(vocab_size)):
+        raise ValueError(
+            f"The server responder was built for max_new_tokens {server.max_new_tokens} and a vocabulary of "
+            f"{server.vocab_size}, this run has {max_new_tokens} and the target {vocab_size}: build it with the "
+            "run's values."
+        )
+    return server.check()
 
 
 def _publish(out: Path, done: list[dict], held: list[Prompt], manifest: dict[str, Any]) -> None:
