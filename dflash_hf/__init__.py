@@ -8,12 +8,12 @@
 
 from transformers import AutoConfig, AutoModel
 
-from .engine.adapters import SUPPORTED_TARGET_TYPES, TargetAdapter
 from .engine.block_size import AdaptiveBlockSize, BlockSizePolicy, FixedBlockSize
 from .engine.generation import DFlashGenerateOutput, custom_generate, generate
 from .hub.export import export
 from .hub.push import push_to_hub, validate_hub_folder
 from .modeling import DFlashConfig, DFlashDraftModel, DFlashPreTrainedModel, default_target_layer_ids
+from .target import SUPPORTED_TARGET_TYPES, TargetAdapter
 
 __version__ = "0.1.0"
 

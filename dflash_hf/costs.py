@@ -19,12 +19,12 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
-from .engine import row_exact
-from .engine.adapters import TargetAdapter
 from .engine.cache_ops import truncate_cache
-from .engine.grouped_attention import grouped_attention, stock_attention
 from .modeling import DFlashDraftModel
 from .runtime import Stopwatch
+from .target import row_exact
+from .target.adapter import TargetAdapter
+from .target.grouped_attention import grouped_attention, stock_attention
 
 Call = Callable[[], None]
 
@@ -54,7 +54,7 @@ class TimedForwards:
     """A random `context_tokens`-token context prefilled into the cache of `adapter`'s target, and timed forwards of
     the target and of `drafter` on it (see the module docstring).
 
-    Multi-token target forwards run row-exact (`engine.row_exact`) when the target is in reduced precision on CPU,
+    Multi-token target forwards run row-exact (`target.row_exact`) when the target is in reduced precision on CPU,
     `row_exact_verify` is set and that is bit-exact for up to `max_tokens` rows (`row_exact` says whether they do).
     """
 
@@ -73,8 +73,7 @@ class TimedForwards:
         self.device = target.device
         self.context_tokens = context_tokens
         self.generator = generator
-        reduced_cpu = self.device.type == "cpu" and target.dtype != torch.float32
-        self.row_exact = bool(row_exact_verify and reduced_cpu and row_exact.install(target, max_tokens))
+        self.row_exact = bool(row_exact_verify and row_exact.install_if_needed(target, max_tokens))
         self.context = torch.randint(0, adapter.vocab_size, (1, context_tokens), generator=generator).to(self.device)
         self.cache = DynamicCache()
         positions = torch.arange(context_tokens, device=self.device)[None]
@@ -86,7 +85,7 @@ class TimedForwards:
 
     def target_calls(self, token_counts: tuple[int, ...], stock: bool = False) -> dict[int, Call]:
         """A target forward of each token count (with logits for every new token) on the cached context, rolled back;
-        `stock`: in Transformers' own `sdpa` attention (`engine.grouped_attention.stock_attention`)."""
+        `stock`: in Transformers' own `sdpa` attention (`target.grouped_attention.stock_attention`)."""
         adapter, cache, context_tokens, device = self.adapter, self.cache, self.context_tokens, self.device
 
         def target_forward(count: int) -> None:
@@ -131,7 +130,7 @@ class TimedForwards:
 
     def medians(self, rounds: list[dict[tuple[str, int], Call]], repeats: int) -> dict[str, dict[int, float]]:
         """[`interleaved_medians`] of each round's calls, in the attention the engine runs its multi-token forwards in
-        (`engine.grouped_attention`); `{kind: {count: ms}}` over all rounds."""
+        (`target.grouped_attention`); `{kind: {count: ms}}` over all rounds."""
         measured: dict[str, dict[int, float]] = {}
         with grouped_attention(self.adapter.target):
             for calls in rounds:

@@ -1,7 +1,7 @@
 """`--dtype auto` on a CPU that computes bfloat16 natively: measure which precision runs a DFlash cycle faster here.
 
 Whether bf16 pays on a CPU is not a property of its instruction set alone. An exact bf16 verify must give every block
-row the bits of a 1-token step (`engine.row_exact`), which costs per-row attention calls; whether the cheaper bf16
+row the bits of a 1-token step (`target.row_exact`), which costs per-row attention calls; whether the cheaper bf16
 matmuls make up for that depends on the CPU, the target and the block size. So the first `auto` run on a machine
 measures one cycle as the engine runs it (a verify of the widest tree the call will verify, e.g. a block of B plus
 its prompt-lookup branch, and a draft of B tokens) in float32 and in row-exact bfloat16 and keeps the faster; the
@@ -20,9 +20,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from . import runtime
 from .costs import cycle_ms
-from .engine import row_exact
 from .fileio import atomic_write_text
 from .modeling import DFlashDraftModel
+from .target import row_exact
 
 VERDICTS_FILE = "precision.json"
 
@@ -66,7 +66,7 @@ def measured_choice(
         fp32 = _load(target, drafter_dir, device, torch.float32)
         fp32_ms = _cycle_ms(fp32[0], fp32[2], max_block, verify_tokens)
         bf16 = _load(target, drafter_dir, device, torch.bfloat16)
-        exact = row_exact.install(bf16[0], verify_tokens)
+        exact = bool(row_exact.install_if_needed(bf16[0], verify_tokens))
         bf16_ms = _cycle_ms(bf16[0], bf16[2], max_block, verify_tokens) if exact else None
         faster_bf16 = bf16_ms is not None and bf16_ms < fp32_ms
         verdict = {
@@ -82,7 +82,7 @@ def measured_choice(
         model, tokenizer, drafter = bf16 if faster_bf16 else fp32
     else:
         model, tokenizer, drafter = _load(target, drafter_dir, device, getattr(torch, verdict["dtype"]))
-        if model.dtype != torch.float32 and not row_exact.install(model, verify_tokens):
+        if row_exact.install_if_needed(model, verify_tokens) is False:
             model, tokenizer, drafter = _load(target, drafter_dir, device, torch.float32)
     if not verdict["bfloat16_exact"]:
         why = "its block verification is not bit-exact here"

@@ -52,10 +52,11 @@ from transformers import (
 )
 
 from .drafter_folder import check_drafter_folder
-from .fileio import discard, path_inside, read_json, set_ordinary_mode
+from .fileio import discard, path_inside, set_ordinary_mode
 from .gguf_chunks import ChunkedGGUF, installed_version, package_folder, sha256_of
 from .runtime import resolve_dtype
 from .special_tokens import first_token_id, token_ids
+from .target.support import check_built_for, check_target_config
 
 CACHE_ENV = "DFLASH_HF_CACHE"
 MARKER_FILE = "dflash_hf_cache.json"
@@ -405,14 +406,6 @@ def is_hub_id(name: str | os.PathLike) -> bool:
     return True
 
 
-def check_target_config(folder: str | os.PathLike) -> None:
-    """Raise a `ValueError` naming the file when a local target folder's `config.json` is no readable JSON (one
-    nested too deeply would be a `RecursionError` inside Transformers' reader)."""
-    path = Path(folder) / "config.json"
-    if path.is_file():
-        read_json(path, "restore the target folder's config.json from its source.")
-
-
 def configure_generation(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
     """Make `model.generation_config` usable as is: every EOS id the model or tokenizer declares, and a pad id.
 
@@ -503,8 +496,7 @@ def load_target(
 
 def load_drafter(drafter_dir: str | os.PathLike, target: PreTrainedModel):
     """The DFlash drafter of `drafter_dir` in `target`'s dtype on its device, in eval mode; a `ValueError` naming the
-    problem when it was built for another target (`engine.adapters.check_built_for`)."""
-    from .engine.adapters import check_built_for
+    problem when it was built for another target (`target.support.check_built_for`)."""
     from .modeling import DFlashDraftModel
 
     drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=target.dtype).to(target.device).eval()

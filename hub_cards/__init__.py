@@ -18,7 +18,7 @@ from typing import Any
 from huggingface_hub import ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from dflash_hf.engine.adapters import TARGET_FAMILIES  # target `model_type` -> family part (`family_<name>.md`)
+from dflash_hf.target.support import TARGET_FAMILIES  # target `model_type` -> family part (`family_<name>.md`)
 
 # every metric row must carry these; `benchmark`, `block_size` and `temperature` are optional columns
 REQUIRED_METRICS = ("tau", "speedup", "hardware", "date")

@@ -12,8 +12,8 @@ from testing_utils import make_llama, make_oracle, make_target, make_word_tokeni
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, bench, cli, runtime
 from dflash_hf.commands.bench import _command_line
-from dflash_hf.engine import grouped_attention
-from dflash_hf.engine.adapters import engine_kernels, uses_engine_kernels
+from dflash_hf.target import grouped_attention
+from dflash_hf.target.adapter import engine_kernels, uses_engine_kernels
 
 PROMPTS = [[1, 5, 9, 12, 5, 9], [1, 7, 7, 3, 30, 31, 7, 7]]
 MAX_NEW = 12

@@ -18,7 +18,7 @@ from testing_utils import COMPARE
 import dflash_hf
 from dflash_hf import cli, targets
 from dflash_hf.data.prompts import encode_prompt
-from dflash_hf.engine import row_exact
+from dflash_hf.target import row_exact
 
 PROMPTS = ["Write a Python function that checks whether a number is prime.", "Name three uses of copper."]
 # target name -> (model type, layers, Hub id) of the target each bundled drafter was trained for

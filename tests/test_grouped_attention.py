@@ -1,4 +1,4 @@
-"""Grouped-query attention without key/value copies (`engine.grouped_attention`): the same bits as `sdpa` for every
+"""Grouped-query attention without key/value copies (`target.grouped_attention`): the same bits as `sdpa` for every
 family and precision (causal blocks over a cache, left-padded batches, tree masks), switched on only inside the
 engine's blocks, and what the engine's calls run in."""
 
@@ -12,10 +12,10 @@ from testing_utils import FAMILIES, GEMMA_SLIDING_WINDOW, VOCAB, make_drafter, m
 from transformers.cache_utils import DynamicCache
 
 from dflash_hf import generate
-from dflash_hf.engine import row_exact
 from dflash_hf.engine.cache_ops import truncate_cache
-from dflash_hf.engine.grouped_attention import ATTENTION_NAME, grouped_attention
 from dflash_hf.engine.tree import tree_attention_mask
+from dflash_hf.target import row_exact
+from dflash_hf.target.grouped_attention import ATTENTION_NAME, grouped_attention
 
 
 @pytest.fixture
@@ -136,10 +136,10 @@ def test_padded_batches_draft_in_grouped_attention_too(sdpa_calls):
 
 
 def test_an_sdpa_variant_runs_under_its_name_with_a_flag_scoped_to_its_block_and_thread():
-    """`engine.attention_registry.SdpaVariant`, which grouped and row-exact attention are registered with."""
+    """`target.attention_registry.SdpaVariant`, which grouped and row-exact attention are registered with."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from dflash_hf.engine.attention_registry import SdpaVariant
+    from dflash_hf.target.attention_registry import SdpaVariant
 
     seen: list[bool] = []
 

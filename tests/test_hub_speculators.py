@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 from testing_utils import make_drafter, make_target
 
 import dflash_hf
-from dflash_hf.engine.adapters import TargetAdapter
 from dflash_hf.hub.speculators import config_from_speculators
+from dflash_hf.target.adapter import TargetAdapter
 
 BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 

@@ -309,7 +309,7 @@ def test_prepacked_lm_head_matches_the_stock_head():
 def test_head_projection_of_a_strided_slice_never_copies_the_head():
     """The drafter's logits come from its block minus the anchor, a strided 3-D slice; projecting it must not run a
     batched matmul on a transposed copy of the head (in bf16 that copy was half of a draft's time on CPU)."""
-    from dflash_hf.engine.adapters import head_projection
+    from dflash_hf.target.adapter import head_projection
 
     weight = torch.randn(4096, 64, dtype=torch.bfloat16)
     block = torch.randn(1, 8, 64, dtype=torch.bfloat16)

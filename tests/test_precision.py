@@ -25,10 +25,10 @@ from dflash_hf.bench.profile import measure_costs
 from dflash_hf.commands import bench as bench_command
 from dflash_hf.commands import generate as generate_command
 from dflash_hf.commands import load_models
-from dflash_hf.engine import row_exact
 from dflash_hf.engine.draft_tree import DEFAULT_TREE_NODES
 from dflash_hf.mkl_choice import measure as real_measure  # before the autouse stand-in replaces it
 from dflash_hf.runtime import native_bf16_feature as real_native_bf16_feature  # the real one, too
+from dflash_hf.target import row_exact
 
 PROMPTS = [[1, 5, 9, 12, 5, 9, 3, 3], [1, 7, 7, 3, 30, 31, 7, 7, 40, 41, 42]]
 

@@ -15,7 +15,7 @@ from testing_utils import make_tiny_target, tiny_train_config, write_prompts
 
 from dflash_hf.data.features import OfflineFeatureDataset, cache_features
 from dflash_hf.data.make import load_training_data
-from dflash_hf.engine.adapters import TargetAdapter
+from dflash_hf.target.adapter import TargetAdapter
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

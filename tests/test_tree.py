@@ -224,7 +224,7 @@ def test_adaptive_block_size_learns_the_block_not_the_lookup_wins(oracle_lookup,
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
 def test_row_exact_bf16_tree_verify_equals_plain_bf16_greedy(family, oracle_lookup):
-    """In bf16 on CPU verification runs row-exact (`engine.row_exact`); the tree's nodes are attended one by one over
+    """In bf16 on CPU verification runs row-exact (`target.row_exact`); the tree's nodes are attended one by one over
     the cache and their own ancestors, so the lookup branch stays on and the output is stock bf16 greedy's, past
     Gemma's sliding window too."""
     reference_target = make_target(family).to(torch.bfloat16)

@@ -47,8 +47,8 @@ from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
 from dflash_hf import runtime
-from dflash_hf.engine.adapters import TargetAdapter
 from dflash_hf.special_tokens import first_token_id
+from dflash_hf.target.adapter import TargetAdapter
 
 from .checkpointing import PickleFreeCheckpoints
 from .collator import DFlashDataCollator

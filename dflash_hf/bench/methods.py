@@ -21,11 +21,11 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..engine.acceptance import SAMPLING_PROPOSALS
-from ..engine.adapters import engine_kernels, uses_engine_kernels
 from ..engine.generation import generate
 from ..engine.tree import lookup_branch_length, verify_width
 from ..modeling import DFlashDraftModel
 from ..runtime import Stopwatch, clock
+from ..target.adapter import engine_kernels, uses_engine_kernels
 
 DEFAULT_BLOCK_SIZES = (4, 8, 16)
 

@@ -24,9 +24,9 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..costs import Call, TimedForwards
-from ..engine.adapters import TargetAdapter
-from ..engine.grouped_attention import uses_grouped_attention
 from ..modeling import DFlashDraftModel
+from ..target.adapter import TargetAdapter
+from ..target.grouped_attention import uses_grouped_attention
 
 DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 16)
 
@@ -81,7 +81,7 @@ def measure_costs(
     (what a reduced-precision verify would cost without exactness; the engine never runs that).
 
     Multi-token target forwards run in the engine's grouped-query attention where it applies
-    (`engine.grouped_attention`). With `comparisons` they are also timed in Transformers' `sdpa`, in the same rounds
+    (`target.grouped_attention`). With `comparisons` they are also timed in Transformers' `sdpa`, in the same rounds
     (`stock_attention_ms` / `stock_attention_relative`, where grouped attention applies), and, given a 1-token count,
     the matrix products alone (see the module docstring): `matmul_ms` and `floor_relative`, the cost of a k-token
     forward relative to the step if everything but those products cost what it costs for one token,

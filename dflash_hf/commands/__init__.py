@@ -25,13 +25,14 @@ def load_models(
     default `max_block`). `dtype="auto"`: bfloat16 on CUDA; on a CPU that computes bf16 natively, the precision that
     runs such a DFlash cycle faster, measured once per machine (`dflash_hf.precision`); float32 on other CPUs. A
     reduced-precision target on CPU is made row-exact for verifies of up to `verify_tokens` tokens
-    (`engine.row_exact.install`); asked for explicitly where that is not bit-exact, it is kept and the reason says so.
+    (`target.row_exact.install_if_needed`); asked for explicitly where that is not bit-exact, it is kept and the
+    reason says so.
     """
     from transformers.utils import logging as hf_logging
 
-    from ..engine import row_exact
     from ..precision import measured_choice
     from ..runtime import inference_dtype
+    from ..target import row_exact
     from ..targets import cache_dir, load_drafter, load_target
 
     verify_tokens = max_block if verify_tokens is None else verify_tokens
@@ -42,8 +43,8 @@ def load_models(
         if dtype == "auto" and device.type == "cpu" and chosen != torch.float32:  # native bf16: measure which pays
             return measured_choice(target, drafter_dir, device, max_block, verify_tokens, cache_dir())
         model, tokenizer = load_target(target, dtype=chosen, device=device)
-        if device.type == "cpu" and chosen != torch.float32:
-            exact = row_exact.install(model, verify_tokens)
+        exact = row_exact.install_if_needed(model, verify_tokens)
+        if exact is not None:
             reason += "; block verification checked bit-exact" if exact else "; block verification NOT bit-exact here"
         drafter = load_drafter(drafter_dir, model)
     finally:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from ..engine.adapters import TargetAdapter
+from ..target.adapter import TargetAdapter
 from .features import ShardWriter, features_of_batch, open_index, settings_of
 
 

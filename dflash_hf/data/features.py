@@ -343,7 +343,7 @@ def cache_features(
     Resumable: rows already indexed in `out_dir` are skipped, and a dataset that only grew at the end is extended
     (stored rows are checked against it first). Returns the index.
     """
-    from ..engine.adapters import TargetAdapter
+    from ..target.adapter import TargetAdapter
 
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {max_length}.")

@@ -24,14 +24,15 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from ..modeling import DFlashDraftModel
 from ..runtime import Stopwatch
 from ..special_tokens import first_token_id
-from . import row_exact
+from ..target import row_exact
+from ..target.adapter import TargetAdapter
+from ..target.grouped_attention import grouped_attention
+from ..target.windows import sliding_window_of
 from .acceptance import DEFAULT_SAMPLING_PROPOSAL, greedy_accept, rejection_sample
-from .adapters import TargetAdapter
 from .block_size import BlockSizePolicy, make_block_size_policy
 from .cache_ops import keep_path, select_rows, shift_cache_right, shift_right, truncate_cache
 from .checks import check_drafter, check_options
 from .draft_tree import DraftTree, DraftTreeSearch, SlotCandidates, corrected_logits, pack_trees
-from .grouped_attention import grouped_attention
 from .output import DFlashGenerateOutput
 from .processing import BlockLogitsProcessor
 from .tree import (
@@ -42,7 +43,6 @@ from .tree import (
     lookup_branch_length,
     lookup_continuation,
     path_order,
-    sliding_window_of,
     tree_accept,
     tree_attention_mask,
     tree_layout,
@@ -88,17 +88,16 @@ class _Cycle(NamedTuple):
 def _row_exact_verification(target: PreTrainedModel, max_block: int) -> bool:
     """Whether verify forwards must run row-exact (a bf16/fp16 target on CPU, see `row_exact`); warns once if that
     cannot be made bit-exact on this machine."""
-    if target.device.type != "cpu" or target.dtype == torch.float32:
-        return False
-    if row_exact.install(target, max_block):
-        return True
-    warnings.warn(
-        f"Verifying {max_block}-token blocks in {str(target.dtype).replace('torch.', '')} on this CPU does not give "
-        "every token the bits a one-token step gives it, so greedy outputs may drift from plain greedy decoding: "
-        "load the target in float32 for exact outputs (or use `sdpa` attention, which dflash-hf can make row-exact).",
-        stacklevel=4,
-    )
-    return False
+    exact = row_exact.install_if_needed(target, max_block)
+    if exact is False:
+        warnings.warn(
+            f"Verifying {max_block}-token blocks in {str(target.dtype).replace('torch.', '')} on this CPU does not "
+            "give every token the bits a one-token step gives it, so greedy outputs may drift from plain greedy "
+            "decoding: load the target in float32 for exact outputs (or use `sdpa` attention, which dflash-hf can "
+            "make row-exact).",
+            stacklevel=4,
+        )
+    return bool(exact)
 
 
 @dataclass

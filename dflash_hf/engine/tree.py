@@ -58,16 +58,6 @@ def lookup_continuation(sequence: list[int], max_tokens: int, ngram_sizes=LOOKUP
     return []
 
 
-def sliding_window_of(config) -> int | None:
-    """The attention window of a target with sliding-window layers (e.g. Gemma 3), else `None`: its sliding layers
-    need their own tree mask."""
-    text = config.get_text_config(decoder=True)
-    layer_types = getattr(text, "layer_types", None) or []
-    if any("sliding" in str(kind) for kind in layer_types):
-        return getattr(text, "sliding_window", None)
-    return None
-
-
 def tree_layout(
     anchors: torch.LongTensor, drafts: torch.LongTensor, lookups: list[list[int]], start: torch.LongTensor
 ) -> tuple[torch.LongTensor, torch.LongTensor, torch.Tensor, torch.Tensor]:

@@ -27,11 +27,12 @@ from huggingface_hub import metadata_load, try_to_load_from_cache
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
-from ..engine.adapters import TargetAdapter
 from ..fileio import atomic_write_folder, set_ordinary_mode
 from ..hub_cards import render_model_card
 from ..modeling import DFlashConfig, DFlashDraftModel
-from ..targets import TARGETS, check_target_config, is_hub_id, resolve_target_dir
+from ..target.adapter import TargetAdapter
+from ..target.support import check_target_config
+from ..targets import TARGETS, is_hub_id, resolve_target_dir
 from .gguf import write_gguf
 from .layout import DFLASH_HF_AUTO_MAP, foreign_entries, remote_code
 from .official import to_official_config

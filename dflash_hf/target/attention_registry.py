@@ -2,7 +2,7 @@
 
 A model runs one after `model.set_attn_implementation(name)`. Each has a flag that a `with variant.flagged():` block
 sets in its own thread or task only (a context variable), read by the function at every call: what the flag changes
-is the variant's own business (`engine.grouped_attention`, `engine.row_exact`).
+is the variant's own business (`target.grouped_attention`, `target.row_exact`).
 """
 
 from __future__ import annotations

@@ -27,25 +27,7 @@ from transformers.cache_utils import Cache
 from ..modeling import DFlashDraftModel
 from . import row_exact
 from .grouped_attention import grouped_attention, uses_grouped_attention
-
-# The one table of supported targets: `model_type` -> (display name, model-card family). The family names the
-# `hub_cards/family_<family>.md` part of exported cards and is a Hub tag; `None`: no family notes, the tag is the
-# model type.
-_TARGET_TYPES: dict[str, tuple[str, str | None]] = {
-    "qwen3": ("Qwen3", "qwen"),
-    "qwen2": ("Qwen2", "qwen"),
-    "llama": ("LLaMA (incl. SmolLM2)", "llama"),
-    "mistral": ("Mistral", None),
-    "gemma3_text": ("Gemma 3 (text)", "gemma"),
-}
-SUPPORTED_TARGET_TYPES: dict[str, str] = {model_type: name for model_type, (name, _) in _TARGET_TYPES.items()}
-TARGET_FAMILIES: dict[str, str] = {model_type: family for model_type, (_, family) in _TARGET_TYPES.items() if family}
-
-
-def _supported_list() -> str:
-    """The supported target types, for error messages."""
-    return ", ".join(f"{name} (`{key}`)" for key, name in SUPPORTED_TARGET_TYPES.items())
-
+from .support import check_built_for, check_supported
 
 # oneDNN-prepacked copies of frozen LM-head weights (the few most recent ones). On CPU in fp32 a prepacked head is
 # faster than `nn.Linear` for the 1-16 rows a decode step needs (`dflash-hf profile`'s matmul rows time the head this
@@ -117,7 +99,7 @@ def _prepacks_head(target: PreTrainedModel) -> bool:
 def uses_engine_kernels(target: PreTrainedModel) -> bool:
     """Whether the engine computes `target`'s own layers with other kernels than `target.generate` does (today: the
     oneDNN-prepacked LM head of a float32 target on CPU, and grouped-query `sdpa` attention on CPU without key/value
-    copies, `engine.grouped_attention`), so that a fair plain baseline needs them too."""
+    copies, `target.grouped_attention`), so that a fair plain baseline needs them too."""
     return _prepacks_head(target) or uses_grouped_attention(target)
 
 
@@ -137,24 +119,6 @@ def engine_kernels(target: PreTrainedModel) -> Iterator[None]:
             target.set_output_embeddings(head)
 
 
-def check_built_for(drafter_config: PreTrainedConfig, target: PreTrainedModel) -> None:
-    """Raise a `ValueError` naming both sides when the drafter records another target (layer count or model type)."""
-    config = target.config
-    layers, model_type = int(config.num_hidden_layers), getattr(config, "model_type", None)
-    built_layers = getattr(drafter_config, "num_target_layers", None)
-    built_type = getattr(drafter_config, "target_model_type", None)
-    if (built_layers is None or int(built_layers) == layers) and built_type in (None, model_type):
-        return
-    drafter_name = getattr(drafter_config, "name_or_path", "") or ""
-    target_name = getattr(config, "name_or_path", "") or ""
-    built = " ".join(filter(None, (f"{built_layers}-layer" if built_layers else "", built_type and f"`{built_type}`")))
-    raise ValueError(
-        f"This drafter{f' ({drafter_name})' if drafter_name else ''} was built for another target: a {built} "
-        f"target, but this target{f' ({target_name})' if target_name else ''} is a {layers}-layer `{model_type}`. "
-        "Use the drafter trained for this target, or this drafter's own target."
-    )
-
-
 @dataclass
 class TargetStep:
     """Result of one target forward: final normed hidden states and the concatenated tapped layer outputs."""
@@ -170,13 +134,8 @@ class TargetAdapter:
         self, target: PreTrainedModel, target_layer_ids: list[int], built_for: PreTrainedConfig | None = None
     ) -> None:
         """`built_for`: the drafter's config, checked against the target before its layer ids are."""
+        check_supported(target)
         config = target.config
-        model_type = getattr(config, "model_type", None)
-        if model_type not in SUPPORTED_TARGET_TYPES:
-            raise ValueError(
-                f"Unsupported target architecture `{model_type}` ({type(target).__name__}). "
-                f"Supported targets: {_supported_list()}."
-            )
         if built_for is not None:
             check_built_for(built_for, target)
         self.target = target

@@ -36,7 +36,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .attention_registry import SdpaVariant
-from .tree import sliding_window_of
+from .windows import sliding_window_of
 
 ATTENTION_NAME = "row_exact_sdpa"
 
@@ -167,8 +167,8 @@ def install(target: PreTrainedModel, max_rows: int) -> bool:
     gives a row different bits inside a multi-row call (measured here, on this machine), adds a forward hook that
     recomputes it row by row inside [`verification`]. Outside [`verification`] the target computes exactly as
     before. The LM head is probed (and hooked) the same way. Then checks the whole target with
-    [`block_rows_match_decode`] and returns the result (`False` also for attention implementations other than `sdpa`, which are left alone).
-    Installing again for as many rows or fewer returns the first result.
+    [`block_rows_match_decode`] and returns the result (`False` also for attention implementations other than `sdpa`,
+    which are left alone). Installing again for as many rows or fewer returns the first result.
     """
     with _INSTALL_LOCK:  # concurrent calls on a shared target install once
         known = _INSTALLED.get(target)
@@ -177,6 +177,15 @@ def install(target: PreTrainedModel, max_rows: int) -> bool:
         exact = _install(target, max_rows)
         _INSTALLED[target] = (max_rows, exact)
         return exact
+
+
+def install_if_needed(target: PreTrainedModel, max_rows: int) -> bool | None:
+    """[`install`] where `target` needs it, in reduced precision (bfloat16, float16) on CPU: whether its verify
+    forwards of up to `max_rows` tokens are then bit-exact; `None` for a target that needs nothing (float32, or not on
+    CPU)."""
+    if target.device.type != "cpu" or target.dtype == torch.float32:
+        return None
+    return install(target, max_rows)
 
 
 def _install(target: PreTrainedModel, max_rows: int) -> bool:

@@ -1,0 +1,64 @@
+"""Which targets DFlash supports, and the checks that a target (or its folder) is one a drafter can run with."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from transformers import PreTrainedConfig, PreTrainedModel
+
+from ..fileio import read_json
+
+# The one table of supported targets: `model_type` -> (display name, model-card family). The family names the
+# `hub_cards/family_<family>.md` part of exported cards and is a Hub tag; `None`: no family notes, the tag is the
+# model type.
+_TARGET_TYPES: dict[str, tuple[str, str | None]] = {
+    "qwen3": ("Qwen3", "qwen"),
+    "qwen2": ("Qwen2", "qwen"),
+    "llama": ("LLaMA (incl. SmolLM2)", "llama"),
+    "mistral": ("Mistral", None),
+    "gemma3_text": ("Gemma 3 (text)", "gemma"),
+}
+SUPPORTED_TARGET_TYPES: dict[str, str] = {model_type: name for model_type, (name, _) in _TARGET_TYPES.items()}
+TARGET_FAMILIES: dict[str, str] = {model_type: family for model_type, (_, family) in _TARGET_TYPES.items() if family}
+
+
+def _supported_list() -> str:
+    """The supported target types, for error messages."""
+    return ", ".join(f"{name} (`{key}`)" for key, name in SUPPORTED_TARGET_TYPES.items())
+
+
+def check_supported(target: PreTrainedModel) -> None:
+    """Raise a `ValueError` listing the supported targets when `target`'s architecture is not one of them."""
+    model_type = getattr(target.config, "model_type", None)
+    if model_type not in SUPPORTED_TARGET_TYPES:
+        raise ValueError(
+            f"Unsupported target architecture `{model_type}` ({type(target).__name__}). "
+            f"Supported targets: {_supported_list()}."
+        )
+
+
+def check_built_for(drafter_config: PreTrainedConfig, target: PreTrainedModel) -> None:
+    """Raise a `ValueError` naming both sides when the drafter records another target (layer count or model type)."""
+    config = target.config
+    layers, model_type = int(config.num_hidden_layers), getattr(config, "model_type", None)
+    built_layers = getattr(drafter_config, "num_target_layers", None)
+    built_type = getattr(drafter_config, "target_model_type", None)
+    if (built_layers is None or int(built_layers) == layers) and built_type in (None, model_type):
+        return
+    drafter_name = getattr(drafter_config, "name_or_path", "") or ""
+    target_name = getattr(config, "name_or_path", "") or ""
+    built = " ".join(filter(None, (f"{built_layers}-layer" if built_layers else "", built_type and f"`{built_type}`")))
+    raise ValueError(
+        f"This drafter{f' ({drafter_name})' if drafter_name else ''} was built for another target: a {built} "
+        f"target, but this target{f' ({target_name})' if target_name else ''} is a {layers}-layer `{model_type}`. "
+        "Use the drafter trained for this target, or this drafter's own target."
+    )
+
+
+def check_target_config(folder: str | os.PathLike) -> None:
+    """Raise a `ValueError` naming the file when a local target folder's `config.json` is no readable JSON (one
+    nested too deeply would be a `RecursionError` inside Transformers' reader)."""
+    path = Path(folder) / "config.json"
+    if path.is_file():
+        read_json(path, "restore the target folder's config.json from its source.")
