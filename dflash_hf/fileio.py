@@ -1,4 +1,5 @@
-"""File-system helpers shared by the writers (exports, checkpoints, caches, feature shards)."""
+"""File-system helpers shared by the writers (exports, checkpoints, caches, feature shards), and where the dflash-hf
+cache lives."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 # the temporary file safetensors' `save_file` writes next to its target and renames (a killed write leaves it)
 SAFETENSORS_TEMPORARY = ".tmp??????"
+CACHE_ENV = "DFLASH_HF_CACHE"  # the environment variable naming the dflash-hf cache folder ([`cache_dir`])
 
 
 def _umask() -> int:
@@ -142,3 +144,13 @@ def remove_leftovers(folder: str | os.PathLike, patterns: Iterable[str]) -> None
     for pattern in patterns:
         for leftover in Path(folder).glob(pattern):
             _remove(leftover)
+
+
+def cache_dir() -> Path:
+    """Root of the dflash-hf cache: `$DFLASH_HF_CACHE`, else `$XDG_CACHE_HOME/dflash-hf`, else `~/.cache/dflash-hf`."""
+    override = os.environ.get(CACHE_ENV)
+    if override:
+        return Path(override).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "dflash-hf"

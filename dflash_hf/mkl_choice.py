@@ -1,4 +1,5 @@
-"""`--mkl-mode auto`: measure once per machine which MKL code path runs decoding's float32 matmuls fastest.
+"""`--mkl-mode`: which MKL code path runs decoding's float32 matmuls ([`select_mkl_mode`]), measured once per machine
+for `auto`.
 
 MKL picks its float32 kernels by CPU, and on some CPUs its default code path makes a matmul of a few rows (a block
 verify, a draft) cost far more than a 1-row one, while one of its conditional-numerical-reproducibility modes
@@ -23,8 +24,9 @@ from pathlib import Path
 import torch
 
 from . import runtime
-from .fileio import atomic_write_text
+from .fileio import atomic_write_text, cache_dir
 
+MKL_MODES = ("auto", "cnr", "default")  # the choices of `--mkl-mode`
 VERDICTS_FILE = "mkl.json"
 DEFAULT = "default"  # MKL's own code path (no `MKL_CBWR`)
 # (in, out) features of the linears a decode step and a block verify run: the bundled SmolLM2 pair's attention and
@@ -160,3 +162,41 @@ def describe(verdict: dict) -> str:
     )
     rows = "/".join(next(iter(verdict["ms_by_rows"].values())))
     return f"auto: fastest of MKL's code paths measured on this machine ({rows}-row matmuls: {totals})"
+
+
+_reason: str | None = None  # why `select_mkl_mode` left MKL as `runtime.mkl_mode` reports it
+
+
+def reason() -> str | None:
+    """Why [`select_mkl_mode`] chose the code path `runtime.mkl_mode` reports (`None` before it ran in this process)."""
+    return _reason
+
+
+def select_mkl_mode(choice: str = "auto", threads: int | None = None) -> str:
+    """Choose MKL's code path for the few-row float32 matmuls of decoding; returns what `runtime.mkl_mode` then reports
+    and why.
+
+    `auto` takes the code path measured fastest on this machine for decoding's matmuls (MKL's default and its
+    `MKL_CBWR` modes, timed once per machine with `threads` threads, the verdict kept in the dflash-hf cache); `cnr`
+    sets `MKL_CBWR=AUTO`; `default` leaves MKL alone. A `MKL_CBWR` already in the environment is kept. MKL reads it
+    once, at its first matmul, so this only takes effect when called before any (the CLI calls it first; scripts:
+    first thing, or set `MKL_CBWR` in the environment).
+    """
+    global _reason
+    if choice not in MKL_MODES:
+        raise ValueError(f"Unknown MKL mode {choice!r}: use {', '.join(MKL_MODES)}.")
+    if not torch.backends.mkl.is_available():
+        why = "this torch build has no MKL"
+    elif "MKL_CBWR" in os.environ:
+        why = "set in the environment"
+    elif choice == "auto":
+        mode, verdict = measured_mode(threads or torch.get_num_threads(), cache_dir())
+        if mode != DEFAULT:
+            os.environ["MKL_CBWR"] = mode
+        why = describe(verdict)
+    else:
+        if choice == "cnr":
+            os.environ["MKL_CBWR"] = "AUTO"
+        why = f"--mkl-mode {choice}"
+    _reason = why
+    return f"{runtime.mkl_mode()} ({why})"

@@ -110,53 +110,9 @@ def inference_dtype(name: str | torch.dtype, device: str | torch.device) -> tupl
     return torch.float32, "auto: this CPU has no native bfloat16 (no AMX-BF16 / AVX512-BF16)"
 
 
-MKL_MODES = ("auto", "cnr", "default")
-
-
 def mkl_mode() -> str:
     """How MKL runs this process's float32 matmuls, as recorded with measurements."""
     if not torch.backends.mkl.is_available():
         return "no MKL"
     value = os.environ.get("MKL_CBWR")
     return "MKL default code path" if value is None else f"MKL_CBWR={value}"
-
-
-_mkl_choice: str | None = None  # why `select_mkl_mode` left MKL as `mkl_mode` reports it
-
-
-def mkl_choice() -> str | None:
-    """Why [`select_mkl_mode`] chose the code path `mkl_mode` reports (`None` before it ran in this process)."""
-    return _mkl_choice
-
-
-def select_mkl_mode(choice: str = "auto", threads: int | None = None) -> str:
-    """Choose MKL's code path for the few-row float32 matmuls of decoding; returns what `mkl_mode` then reports and
-    why.
-
-    `auto` takes the code path measured fastest on this machine for decoding's matmuls (`dflash_hf.mkl_choice`:
-    MKL's default and its `MKL_CBWR` modes, timed once per machine with `threads` threads, the verdict kept in the
-    dflash-hf cache); `cnr` sets `MKL_CBWR=AUTO`; `default` leaves MKL alone. A `MKL_CBWR` already in the
-    environment is kept. MKL reads it once, at its first matmul, so this only takes effect when called before any
-    (the CLI calls it first; scripts: first thing, or set `MKL_CBWR` in the environment).
-    """
-    global _mkl_choice
-    if choice not in MKL_MODES:
-        raise ValueError(f"Unknown MKL mode {choice!r}: use {', '.join(MKL_MODES)}.")
-    if not torch.backends.mkl.is_available():
-        reason = "this torch build has no MKL"
-    elif "MKL_CBWR" in os.environ:
-        reason = "set in the environment"
-    elif choice == "auto":
-        from . import mkl_choice as measured
-        from .targets import cache_dir
-
-        mode, verdict = measured.measured_mode(threads or torch.get_num_threads(), cache_dir())
-        if mode != measured.DEFAULT:
-            os.environ["MKL_CBWR"] = mode
-        reason = measured.describe(verdict)
-    else:
-        if choice == "cnr":
-            os.environ["MKL_CBWR"] = "AUTO"
-        reason = f"--mkl-mode {choice}"
-    _mkl_choice = reason
-    return f"{mkl_mode()} ({reason})"

@@ -52,13 +52,12 @@ from transformers import (
 )
 
 from .drafter_folder import check_drafter_folder
-from .fileio import discard, path_inside, set_ordinary_mode
+from .fileio import cache_dir, discard, path_inside, set_ordinary_mode
 from .gguf_chunks import ChunkedGGUF, installed_version, package_folder, sha256_of
 from .runtime import resolve_dtype
 from .special_tokens import first_token_id, token_ids
 from .target.support import check_built_for, check_target_config
 
-CACHE_ENV = "DFLASH_HF_CACHE"
 MARKER_FILE = "dflash_hf_cache.json"
 CACHE_FORMAT = 1
 DEFAULT_TARGET = "smollm2-135m"
@@ -230,16 +229,6 @@ TARGETS: dict[str, TargetSpec] = {
     )
 }
 """Named targets accepted by [`load_target`]."""
-
-
-def cache_dir() -> Path:
-    """Root of the dflash-hf cache: `$DFLASH_HF_CACHE`, else `$XDG_CACHE_HOME/dflash-hf`, else `~/.cache/dflash-hf`."""
-    override = os.environ.get(CACHE_ENV)
-    if override:
-        return Path(override).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "dflash-hf"
 
 
 def bundled_drafter_dir(target_name: str) -> Path:

@@ -57,7 +57,7 @@ def _engine_cycle_clock(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _restore_mkl_mode():
-    """CLI commands choose MKL's code path through `MKL_CBWR` (`runtime.select_mkl_mode`): keep a test's choice
+    """CLI commands choose MKL's code path through `MKL_CBWR` (`mkl_choice.select_mkl_mode`): keep a test's choice
     from reaching later tests' subprocesses."""
     before = os.environ.get("MKL_CBWR")
     yield

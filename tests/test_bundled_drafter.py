@@ -16,7 +16,7 @@ from dflash_hf.trainers import DFlashTrainer, DFlashTrainingConfig, accepted_dra
 from testing_utils import COMPARE
 
 import dflash_hf
-from dflash_hf import cli, targets
+from dflash_hf import cli, fileio, targets
 from dflash_hf.data.prompts import encode_prompt
 from dflash_hf.target import row_exact
 
@@ -66,7 +66,7 @@ def real_target(request, tmp_path_factory):
             pytest.fail(message)
         pytest.skip(message)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(targets.CACHE_ENV, str(tmp_path_factory.mktemp("cache")))
+        patch.setenv(fileio.CACHE_ENV, str(tmp_path_factory.mktemp("cache")))
         threads = torch.get_num_threads()
         torch.set_num_threads(2)
         try:

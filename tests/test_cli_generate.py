@@ -10,7 +10,7 @@ import torch
 from testing_utils import COMPARE, SUMMARY, make_llama, save_tiny_target
 from transformers import AutoTokenizer
 
-from dflash_hf import DFlashConfig, DFlashDraftModel, cli, precision, runtime, targets
+from dflash_hf import DFlashConfig, DFlashDraftModel, cli, fileio, precision, runtime, targets
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_greedy_compare_streams_the_lossless_answer(folders, capsys, monkeypatch
     """`--dtype auto` on each kind of host (its bf16 unit and the measured cycle times stood in) picks its precision,
     and in it the engine's answer is plain greedy decoding's."""
     feature, faster = HOSTS[host]
-    monkeypatch.setenv(targets.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(fileio.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(runtime, "native_bf16_feature", lambda: feature)
     monkeypatch.setattr(precision, "_cycle_ms", lambda model, *args: 1.0 if model.dtype == faster else 2.0)
     code, out, err = _run(

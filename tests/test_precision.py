@@ -18,7 +18,7 @@ from testing_utils import (
     save_tiny_target,
 )
 
-from dflash_hf import DFlashConfig, DFlashDraftModel, cli, costs, generate, mkl_choice, runtime, targets
+from dflash_hf import DFlashConfig, DFlashDraftModel, cli, costs, fileio, generate, mkl_choice, runtime
 from dflash_hf import precision as precision_module
 from dflash_hf.bench import profile as profile_module
 from dflash_hf.bench.profile import measure_costs
@@ -223,17 +223,17 @@ def test_mkl_mode_follows_the_measurement_and_the_environment(host, monkeypatch,
         monkeypatch.delenv("MKL_CBWR", raising=False)
     else:
         monkeypatch.setenv("MKL_CBWR", preset)
-    reported = runtime.select_mkl_mode(choice, threads=2)
+    reported = mkl_choice.select_mkl_mode(choice, threads=2)
     assert os.environ.get("MKL_CBWR") == expected
-    assert reported == f"{runtime.mkl_mode()} ({runtime.mkl_choice()})"
+    assert reported == f"{runtime.mkl_mode()} ({mkl_choice.reason()})"
     assert runtime.mkl_mode() == ("MKL default code path" if expected is None else f"MKL_CBWR={expected}")
     if preset is not None:
-        assert runtime.mkl_choice() == "set in the environment"
+        assert mkl_choice.reason() == "set in the environment"
     elif choice == "auto":
-        assert runtime.mkl_choice().startswith("auto: fastest of MKL's code paths measured on this machine")
-        assert f"{fastest} " in runtime.mkl_choice()
+        assert mkl_choice.reason().startswith("auto: fastest of MKL's code paths measured on this machine")
+        assert f"{fastest} " in mkl_choice.reason()
     else:
-        assert runtime.mkl_choice() == f"--mkl-mode {choice}"
+        assert mkl_choice.reason() == f"--mkl-mode {choice}"
 
 
 def test_mkl_candidates_follow_the_cpu(host):
@@ -275,9 +275,9 @@ def test_mkl_timing_workers_time_each_mode_in_its_own_process():
 def test_mkl_mode_without_mkl_and_bad_choices(monkeypatch):
     monkeypatch.delenv("MKL_CBWR", raising=False)
     monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
-    assert runtime.select_mkl_mode("cnr") == "no MKL (this torch build has no MKL)" and "MKL_CBWR" not in os.environ
+    assert mkl_choice.select_mkl_mode("cnr") == "no MKL (this torch build has no MKL)" and "MKL_CBWR" not in os.environ
     with pytest.raises(ValueError, match="Unknown MKL mode 'fast': use auto, cnr, default"):
-        runtime.select_mkl_mode("fast")
+        mkl_choice.select_mkl_mode("fast")
 
 
 def test_commands_choose_the_mkl_mode_before_loading_and_report_it(folders, monkeypatch, capsys):
@@ -313,7 +313,7 @@ def folders(tmp_path_factory):
 
 def test_auto_falls_back_to_float32_when_bf16_verification_is_not_exact(monkeypatch, folders, tmp_path):
     target_dir, drafter_dir = folders
-    monkeypatch.setenv(targets.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(fileio.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(runtime, "native_bf16_feature", lambda: "AVX512-BF16")
     monkeypatch.setattr(row_exact, "install", lambda target, max_rows: False)
     target, _, drafter, precision = load_models(str(target_dir), drafter_dir, torch.device("cpu"), "auto", 4)
@@ -328,7 +328,7 @@ def test_auto_falls_back_to_float32_when_bf16_verification_is_not_exact(monkeypa
 @pytest.mark.parametrize(("bf16_ms", "expected"), [(5.0, torch.bfloat16), (50.0, torch.float32)])
 def test_auto_measures_once_and_keeps_the_faster_precision(monkeypatch, folders, tmp_path, bf16_ms, expected):
     target_dir, drafter_dir = folders
-    monkeypatch.setenv(targets.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(fileio.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(runtime, "native_bf16_feature", lambda: "AMX-BF16")
     timed = []
 

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 import dflash_hf
-from dflash_hf import DFlashConfig, DFlashDraftModel, targets
+from dflash_hf import DFlashConfig, DFlashDraftModel, fileio, targets
 from dflash_hf.gguf_chunks import ChunkedGGUF
 
 QWEN = "qwen2.5-coder-0.5b"
@@ -127,7 +127,7 @@ def test_llama_cpp_export_refuses_a_qwen2_target(qwen_gguf, tmp_path):
 
 
 def test_real_qwen_target_is_exact_with_every_candidate_shape(qwen_gguf, tmp_path, monkeypatch):
-    monkeypatch.setenv(targets.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(fileio.CACHE_ENV, str(tmp_path / "cache"))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 import dflash_hf
-from dflash_hf import cli, targets
+from dflash_hf import cli, fileio, targets
 from dflash_hf.data import make as data_module
 from dflash_hf.hub.push import MAX_CONFIG_BYTES
 from dflash_hf.targets import TargetSpec
@@ -224,7 +224,7 @@ def test_make_data_without_any_sample_fails(root, tmp_path, capsys):
 @pytest.fixture
 def named_target(root, tmp_path, monkeypatch) -> str:
     """A named target `tiny-quiet` (a fresh cache, built from the tiny target folder on first load)."""
-    monkeypatch.setenv(targets.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(fileio.CACHE_ENV, str(tmp_path / "cache"))
 
     def load_source(scratch: Path):
         return AutoModelForCausalLM.from_pretrained(root / "target"), AutoTokenizer.from_pretrained(root / "target")
@@ -243,7 +243,7 @@ def test_quiet_commands_show_no_progress_bar(root, named_target, tmp_path, capsy
     ):
         assert cli.main([str(arg) for arg in argv]) == 0
     err = capsys.readouterr().err
-    assert (targets.cache_dir() / "targets" / named_target).is_dir()  # the cache was built, silently
+    assert (fileio.cache_dir() / "targets" / named_target).is_dir()  # the cache was built, silently
     assert "it/s" not in err and "%|" not in err, err
     # the libraries' own settings are back once the command is done
     assert hf_logging.is_progress_bar_enabled() and not datasets.are_progress_bars_disabled()

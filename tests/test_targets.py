@@ -15,14 +15,15 @@ import torch
 from testing_utils import WORD_CHAT_TEMPLATE, make_llama, save_tiny_target
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from dflash_hf import targets
-from dflash_hf.targets import MARKER_FILE, TargetSpec, cache_dir, cache_problem, load_target, resolve_target_dir
+from dflash_hf import fileio, targets
+from dflash_hf.fileio import cache_dir
+from dflash_hf.targets import MARKER_FILE, TargetSpec, cache_problem, load_target, resolve_target_dir
 
 
 @pytest.fixture
 def cache_root(tmp_path, monkeypatch) -> Path:
     root = tmp_path / "cache"
-    monkeypatch.setenv(targets.CACHE_ENV, str(root))
+    monkeypatch.setenv(fileio.CACHE_ENV, str(root))
     return root
 
 
@@ -49,9 +50,9 @@ def tiny_spec(tmp_path, monkeypatch):
 
 
 def test_cache_dir_env_override_and_defaults(tmp_path, monkeypatch):
-    monkeypatch.setenv(targets.CACHE_ENV, str(tmp_path / "override"))
+    monkeypatch.setenv(fileio.CACHE_ENV, str(tmp_path / "override"))
     assert cache_dir() == tmp_path / "override"
-    monkeypatch.delenv(targets.CACHE_ENV)
+    monkeypatch.delenv(fileio.CACHE_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_dir() == tmp_path / "xdg" / "dflash-hf"
     monkeypatch.delenv("XDG_CACHE_HOME")

@@ -20,9 +20,10 @@ import transformers
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from .. import mkl_choice
 from ..engine.acceptance import acceptance_rate_by_slot
 from ..modeling import DFlashDraftModel
-from ..runtime import available_cpus, cpu_model, mkl_choice, mkl_mode, native_bf16_feature
+from ..runtime import available_cpus, cpu_model, mkl_mode, native_bf16_feature
 from .methods import BenchMethod, MethodRun, default_methods
 from .profile import measure_costs
 from .prompts import BenchPrompt
@@ -159,7 +160,7 @@ def hardware_info(device: torch.device) -> dict[str, Any]:
         "cpus_available": available_cpus(),
         "torch_threads": torch.get_num_threads(),
         "mkl": mkl_mode(),
-        "mkl_choice": mkl_choice(),
+        "mkl_choice": mkl_choice.reason(),
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "platform": platform.platform(),

@@ -30,10 +30,11 @@ def load_models(
     """
     from transformers.utils import logging as hf_logging
 
+    from ..fileio import cache_dir
     from ..precision import measured_choice
     from ..runtime import inference_dtype
     from ..target import row_exact
-    from ..targets import cache_dir, load_drafter, load_target
+    from ..targets import load_drafter, load_target
 
     verify_tokens = max_block if verify_tokens is None else verify_tokens
     bars = hf_logging.is_progress_bar_enabled()
@@ -146,7 +147,8 @@ def comma_separated_floats(text: str) -> list[float]:
 
 def add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
     """`--threads` and `--mkl-mode`, shared by the commands that run models on the CPU (see `setup_cpu`)."""
-    from ..runtime import MKL_MODES, available_cpus
+    from ..mkl_choice import MKL_MODES
+    from ..runtime import available_cpus
 
     parser.add_argument(
         "--threads",
@@ -189,7 +191,8 @@ def device_of(name: str | None) -> torch.device:
 def setup_cpu(args: argparse.Namespace, device: torch.device) -> int | None:
     """Apply `--mkl-mode` (before any matmul runs) and `--threads` on a CPU device; returns the thread count (`None`
     on other devices)."""
-    from ..runtime import available_cpus, select_mkl_mode
+    from ..mkl_choice import select_mkl_mode
+    from ..runtime import available_cpus
 
     if args.threads is not None and not 1 <= args.threads <= available_cpus():
         raise ValueError(

@@ -17,13 +17,14 @@ from typing import TypeVar
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
 
+from .. import mkl_choice
 from ..data.prompts import encode_prompt
 from ..engine.acceptance import DEFAULT_SAMPLING_PROPOSAL, SAMPLING_PROPOSALS
 from ..engine.checks import MAX_LOOKUP_TOKENS, check_context_length
 from ..engine.generation import generate
 from ..engine.tree import CANDIDATE_SOURCES, DEFAULT_CANDIDATES, verify_width
 from ..modeling import DFlashConfig
-from ..runtime import Stopwatch, mkl_choice, mkl_mode
+from ..runtime import Stopwatch, mkl_mode
 from ..targets import resolve_drafter_dir
 from . import add_cpu_arguments, add_model_arguments, device_of, load_models, setup_cpu
 
@@ -159,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     check_context_length(target, inputs["input_ids"].shape[1], args.max_new_tokens)  # before any forward on the prompt
     print(f"precision: {precision}", file=sys.stderr, flush=True)
     if device.type == "cpu":
-        print(f"kernels: {mkl_mode()} ({mkl_choice()})", file=sys.stderr, flush=True)
+        print(f"kernels: {mkl_mode()} ({mkl_choice.reason()})", file=sys.stderr, flush=True)
     common = dict(max_new_tokens=args.max_new_tokens, **sampling)
 
     # one short untimed pass (a few prompt tokens) so that neither timed run pays for first-call set-up (kernel

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .. import runtime
+from .. import mkl_choice, runtime
 from ..bench.profile import DEFAULT_TOKEN_COUNTS, measure_costs, plot_profiles
 from ..bench.run import hardware_info
 from ..fileio import atomic_write, atomic_write_text
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             profiles.append(stock)
         del target, drafter
     if device.type == "cpu":
-        print(f"kernels: {runtime.mkl_mode()} ({runtime.mkl_choice()})")
+        print(f"kernels: {runtime.mkl_mode()} ({mkl_choice.reason()})")
     for profile in profiles:
         print(f"{profile['precision']}:")
         print(_cost_line("target", profile, "target_ms", "target_relative", "{} tok"))
