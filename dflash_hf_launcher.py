@@ -1,29 +1,22 @@
 """The `dflash-hf` console entry point, outside the `dflash_hf` package on purpose.
 
 Importing `dflash_hf` loads torch and Transformers, which takes seconds. This module imports nothing heavy, so Ctrl-C
-at any moment of start-up ends as it does later (one `error: interrupted` line, exit code 130), not in a traceback
-from inside those imports.
+at any moment of start-up ends as it does later (one `error: interrupted` line, exit code 130, as
+`dflash_hf.cli.interrupted` ends a run), not in a traceback from inside those imports.
 """
 
 from __future__ import annotations
 
 import sys
 
-INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what shells report for a command ended by Ctrl-C
-
-
-def interrupted() -> int:
-    """Say that the run was interrupted (one line on stderr) and return the exit code for it."""
-    print("error: interrupted", file=sys.stderr)
-    return INTERRUPTED_EXIT_CODE
-
 
 def main() -> int:
-    """Run `dflash-hf` ([`dflash_hf.cli.main`]); Ctrl-C while it is being imported ends with [`interrupted`]."""
+    """Run `dflash-hf` ([`dflash_hf.cli.main`]); Ctrl-C while it is being imported ends like one during the run."""
     try:
         from dflash_hf.cli import main as cli_main
-    except KeyboardInterrupt:
-        return interrupted()
+    except KeyboardInterrupt:  # `dflash_hf.cli` is only half imported: say what its `interrupted` says
+        print("error: interrupted", file=sys.stderr)
+        return 130
     return cli_main()
 
 

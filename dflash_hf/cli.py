@@ -12,8 +12,6 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from dflash_hf_launcher import interrupted
-
 from .commands import (
     bench,
     cache_features,
@@ -26,6 +24,8 @@ from .commands import (
     results_doc,
     train,
 )
+
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what shells report for a command ended by Ctrl-C
 
 # each sub-command's `register`, in the order `dflash-hf --help` lists them
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
@@ -61,6 +61,12 @@ def _parse(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace
     else:
         args = parser.parse_args(argv)
     return parser, args
+
+
+def interrupted() -> int:
+    """Say that the run was interrupted (one line on stderr) and return the exit code for it."""
+    print("error: interrupted", file=sys.stderr)
+    return INTERRUPTED_EXIT_CODE
 
 
 def main(argv: list[str] | None = None) -> int:
