@@ -1,0 +1,99 @@
+"""The library's import layers, read from the source with `ast` (imports inside functions included): no module imports
+itself back through others, and the ground floor (the target model, the runtime, the file helpers, the drafter's
+modeling code) imports nothing above it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).parents[1]
+# source folder -> the name it is imported as (`[tool.setuptools.package-dir]` in pyproject.toml)
+PACKAGES = {
+    "dflash_hf": "dflash_hf",
+    "modeling": "dflash_hf.modeling",
+    "trainers": "dflash_hf.trainers",
+    "hub_cards": "dflash_hf.hub_cards",
+}
+GROUND_FLOOR = ("dflash_hf.target", "dflash_hf.runtime", "dflash_hf.fileio", "dflash_hf.modeling")
+# The one import against the layers: the drafter's remote code, which must load without this package, reaches the
+# package's engine at call time where it is installed (`DFlashDraftModel.spec_generate`, under `except ImportError`).
+OPTIONAL_IMPORTS = {"dflash_hf.modeling.modeling_dflash": {"dflash_hf"}}
+
+
+def module_files() -> dict[str, Path]:
+    """Every module of the distribution by its import name: the console launcher and the packages (the bundled
+    drafters' copies of the remote code left out)."""
+    files = {"dflash_hf_launcher": REPO / "dflash_hf_launcher.py"}
+    for folder, package in PACKAGES.items():
+        for path in (REPO / folder).rglob("*.py"):
+            parts = path.relative_to(REPO / folder).with_suffix("").parts
+            if parts[0] == "bundled":
+                continue
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            files[".".join((package, *parts))] = path
+    return files
+
+
+def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
+    """The modules of `known` that module `name` (source `path`) imports: `from package import submodule` names the
+    submodule, any other import the innermost known module of its dotted name."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")[: package.count(".") + 2 - node.level] if node.level else []
+            base = ".".join(parts + ([node.module] if node.module else []))
+            names += [f"{base}.{alias.name}" for alias in node.names]
+    found = set()
+    for dotted in names:
+        while dotted and dotted not in known:
+            dotted = dotted.rpartition(".")[0]
+        if dotted and dotted != name:
+            found.add(dotted)
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    files = module_files()
+    return {
+        name: imported_modules(name, path, set(files)) - OPTIONAL_IMPORTS.get(name, set())
+        for name, path in files.items()
+    }
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The modules `start` imports, directly or through others."""
+    seen, todo = set(), list(graph[start])
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += graph[module]
+    return seen
+
+
+def on_ground_floor(module: str) -> bool:
+    return any(module == floor or module.startswith(f"{floor}.") for floor in GROUND_FLOOR)
+
+
+def test_the_graph_sees_the_layers(graph):
+    assert "dflash_hf.cli" in graph["dflash_hf_launcher"]  # imports inside functions count
+    assert "dflash_hf.target.row_exact" in graph["dflash_hf.engine.generation_call"]
+    assert "dflash_hf.modeling.modeling_dflash" in graph["dflash_hf.modeling"]
+
+
+def test_no_import_cycles(graph):
+    cyclic = {module for module in graph if module in reachable(graph, module)}
+    assert {module: sorted(graph[module] & cyclic) for module in sorted(cyclic)} == {}
+
+
+def test_the_ground_floor_imports_nothing_above_it(graph):
+    upward = {module: sorted(t for t in targets if not on_ground_floor(t)) for module, targets in graph.items()}
+    assert {module: targets for module, targets in upward.items() if on_ground_floor(module) and targets} == {}
