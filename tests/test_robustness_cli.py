@@ -17,7 +17,7 @@ import datasets
 import huggingface_hub
 import pytest
 import torch
-from dflash_hf.trainers import trainer as trainer_module
+from dflash_hf.trainers import drafter as drafter_module
 from safetensors.torch import load_file, save_file
 from testing_utils import make_drafter, make_target, make_tokenizer, save_tiny_target, tiny_train_config, write_prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -109,9 +109,9 @@ def test_push_refuses_non_finite_weights_before_uploading(root, tmp_path, capsys
 
 
 def _new_drafter(tmp_path: Path, target, seed: int, model=None, **overrides) -> dict[str, torch.Tensor]:
-    """The weights of the drafter `dflash-hf train` would start from (`DFlashTrainer`'s `_resolve_drafter`)."""
+    """The weights of the drafter `dflash-hf train` would start from (`DFlashTrainer`'s `resolve_drafter`)."""
     config = tiny_train_config(tmp_path / f"run-{seed}", seed=seed, **overrides)
-    drafter, _ = trainer_module._resolve_drafter(model, config, target, None, make_tokenizer())
+    drafter, _ = drafter_module.resolve_drafter(model, config, target, None, make_tokenizer())
     return drafter.state_dict()
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from dflash_hf.data.batching import pad
+from dflash_hf.special_tokens import first_token_id
 
 
 class DFlashDataCollator:
@@ -15,6 +16,12 @@ class DFlashDataCollator:
     def __init__(self, pad_token_id: int = 0, max_length: int | None = None) -> None:
         self.pad_token_id = int(pad_token_id)
         self.max_length = max_length
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, max_length: int | None = None) -> DFlashDataCollator:
+        """The collator of a target's tokenizer: padding with its pad id (else its EOS id, else 0)."""
+        pad_id = first_token_id(getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None))
+        return cls(pad_token_id=pad_id or 0, max_length=max_length)
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         if not features:

@@ -113,6 +113,16 @@ class BlockBatch:
     previous_ids: torch.Tensor  # (b, A*B): true token at anchor + k - 1 (slot 0: the anchor), for a Markov head
     weights: torch.Tensor  # (b, A, B): slot weight where the label is valid, else 0
 
+    @property
+    def context_length(self) -> int:
+        """`n`: the length of the context the blocks follow."""
+        return self.position_ids.shape[1] - self.block_ids.shape[1]
+
+    @property
+    def block_positions(self) -> torch.Tensor:
+        """`(b, A, B)`: the position of each slot, `anchor + k`."""
+        return self.position_ids[:, -self.block_ids.shape[1] :].view_as(self.labels)
+
 
 def build_blocks(
     input_ids: torch.Tensor,

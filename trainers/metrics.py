@@ -5,9 +5,11 @@ is computed here:
 
 * **loss weights:** `exp(-(k - 1) / gamma)` per slot ([`slot_loss_weights`], `gamma` by block size in
   [`default_loss_decay_gamma`]) or D-PACE ([`dpace_slot_weights`]); the per-slot loss is the cross-entropy of the
-  label, mixed with distillation ([`slot_losses`]);
-* **per-slot accuracy:** correct and labelled slots summed over a batch ([`slot_accuracy_sums`]), divided at log time
-  ([`slot_accuracies`]);
+  label, mixed with distillation and total variation ([`slot_losses`]);
+* **the batch's loss:** the slot losses (a Markov head's mixed with the backbone's), weighted and normalised
+  ([`block_loss`]);
+* **per-slot accuracy:** which slots the drafter gets right ([`correct_slots`]), correct and labelled slots summed over
+  a batch ([`slot_accuracy_sums`]), divided at log time ([`slot_accuracies`]);
 * **acceptance:** implied by the per-slot accuracies ([`implied_acceptance_length`]), measured block by block
   ([`accepted_drafts`]) and replayed as greedy decoding on each response ([`decoding_walk`]);
 * **metric sums:** what one batch adds ([`batch_metric_sums`]) and the logged metrics they give ([`metrics_from_sums`]).
@@ -26,7 +28,7 @@ LOSS_WEIGHTINGS = ("exp_decay", "dpace")
 PAPER_LOSS_DECAY_GAMMA: dict[int, float] = {8: 4.0, 10: 5.0, 16: 7.0}
 
 
-# ---------------------------------------------------------------------------------------------------- loss weights
+# ------------------------------------------------------------------------------------------- loss weights, loss
 
 
 def default_loss_decay_gamma(block_size: int) -> float:
@@ -131,7 +133,48 @@ def slot_losses(
     return ce
 
 
+def block_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    selected: torch.Tensor,
+    *,
+    loss_weighting: str = "exp_decay",
+    target_probs: torch.Tensor | None = None,
+    distill_weight: float = 0.0,
+    tv_weight: float = 0.0,
+    backbone_logits: torch.Tensor | None = None,
+    markov_loss_weight: float = 1.0,
+) -> torch.Tensor:
+    """The loss of one batch's labelled slots: each slot's loss ([`slot_losses`]), weighted and normalised by the sum of
+    the weights.
+
+    Args:
+        logits: `(n, vocab)` of the `n` selected slots (with a Markov head: corrected by it). labels: `(n,)`.
+        weights: `(n,)` slot weights, used with `loss_weighting="exp_decay"`; `"dpace"` takes [`dpace_label_weights`]
+            of `logits` instead. selected: `(..., block)` bool, `n` True (the slots' places, for D-PACE).
+        target_probs, distill_weight, tv_weight: the distillation / total-variation mix of [`slot_losses`].
+        backbone_logits: `(n, vocab)`, with a Markov head: the logits before its correction; each slot's loss is then
+            `w * loss(logits) + (1 - w) * loss(backbone_logits)` with `w = markov_loss_weight`.
+    """
+    losses = slot_losses(logits, labels, target_probs, distill_weight, tv_weight)
+    if backbone_logits is not None and markov_loss_weight < 1.0:
+        backbone = slot_losses(backbone_logits, labels, target_probs, distill_weight, tv_weight)
+        losses = markov_loss_weight * losses + (1.0 - markov_loss_weight) * backbone
+    if loss_weighting == "dpace":
+        weights = dpace_label_weights(logits, labels, selected)
+    return (losses * weights).sum() / weights.sum()
+
+
 # ------------------------------------------------------------------------------------------- accuracy, acceptance
+
+
+def correct_slots(logits: torch.Tensor, labels: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    """Bool like `selected` `(..., block)`: the selected slots whose argmax of `logits` `(n, vocab)` is their label
+    `(n,)`; False elsewhere."""
+    correct = torch.zeros_like(selected)
+    correct[selected] = logits.argmax(dim=-1) == labels
+    return correct
 
 
 def slot_accuracy_sums(correct: torch.Tensor, selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,18 +9,26 @@ on AdamW with their own settings. The Trainer's scheduler and checkpointing see 
 `torch.optim.Muon` orthogonalises in bfloat16. On a CPU without native bf16 (no AMX / AVX512-BF16) a bf16 matmul is
 emulated, several times slower than fp32 (the trainer's warning about bf16 autocast there gives the figure); there the
 Newton-Schulz iteration runs in float32 instead (same iteration, same coefficients).
+
+[`build_optimizer`] is the drafter's optimizer as `DFlashTrainer.create_optimizer` builds it: `MuonWithAdamW` under
+`muon`, else the Trainer's own, with a Markov head at its own learning rate.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim import _muon
 
 from dflash_hf import runtime
+
+if TYPE_CHECKING:
+    from dflash_hf.modeling import DFlashDraftModel
+
+    from .config import DFlashTrainingConfig
 
 
 def orthogonalise_in_float32(grad: torch.Tensor, ns_coefficients, ns_steps: int, eps: float) -> torch.Tensor:
@@ -122,3 +130,49 @@ class MuonWithAdamW(torch.optim.Optimizer):
         for inner, inner_state in zip(self._inner, inner_states):
             inner.load_state_dict(inner_state)
         self.param_groups = [group for inner in self._inner for group in inner.param_groups]
+
+
+def build_optimizer(
+    model: DFlashDraftModel,
+    args: DFlashTrainingConfig,
+    decay_parameter_names: Sequence[str],
+    default: Callable[[], torch.optim.Optimizer],
+) -> torch.optim.Optimizer:
+    """The drafter's optimizer. With `args.muon` (and a trainable 2-D backbone weight): [`MuonWithAdamW`] for the
+    backbone, its Markov head on AdamW at `markov_learning_rate` (where given) with the Trainer's weight-decay split
+    (`decay_parameter_names`). Otherwise `default()` (the Trainer's optimizer, AdamW by default), the Markov head
+    moved to groups of its own at `markov_learning_rate` where that differs from `learning_rate`."""
+    head = {} if model.markov_head is None else dict(model.markov_head.named_parameters("markov_head"))
+    head_ids = {id(p) for p in head.values()}
+    head_lr = args.markov_learning_rate or args.learning_rate
+    backbone = [p for p in model.parameters() if p.requires_grad and id(p) not in head_ids]
+    if args.muon and any(p.ndim == 2 for p in backbone):
+        decayed = [p for name, p in head.items() if name in decay_parameter_names]
+        undecayed = [p for name, p in head.items() if name not in decay_parameter_names]
+        return MuonWithAdamW(
+            backbone,
+            lr=args.learning_rate,
+            weight_decay=args.weight_decay,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_epsilon,
+            newton_schulz_float32=newton_schulz_float32_pays(args.device),
+            adamw_groups=[
+                {"params": decayed, "lr": head_lr},
+                {"params": undecayed, "lr": head_lr, "weight_decay": 0.0},
+            ],
+        )
+    optimizer = default()
+    if head_lr != args.learning_rate:
+        move_to_own_group(optimizer, head_ids, head_lr)
+    return optimizer
+
+
+def move_to_own_group(optimizer: torch.optim.Optimizer, parameter_ids: set[int], lr: float) -> None:
+    """Before the first step: move the parameters `parameter_ids` names out of `optimizer`'s groups into groups of
+    their own (same settings otherwise) at learning rate `lr`; groups left empty are dropped."""
+    for group in list(optimizer.param_groups):
+        moved = [p for p in group["params"] if id(p) in parameter_ids]
+        if moved:
+            group["params"] = [p for p in group["params"] if id(p) not in parameter_ids]
+            optimizer.add_param_group({**group, "params": moved, "lr": lr})
+    optimizer.param_groups[:] = [group for group in optimizer.param_groups if group["params"]]

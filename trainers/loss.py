@@ -1,0 +1,159 @@
+"""The DFlash loss of one batch (docs/design.md §3), as the methods [`DFlashTrainer`] mixes in ([`DFlashLossMixin`]):
+
+1. context features: the frozen target's tapped hidden states (online: one `TargetAdapter.forward`; offline: read
+   from a `dflash-hf cache-features` folder);
+2. up to `num_anchors` random anchors per sequence among the response tokens with room for a whole block, and the
+   blocks on them ([`DFlashLossMixin._prepare_blocks`]);
+3. one drafter forward over all blocks of the batch: `[anchor, MASK * (B - 1)]` per block after the context, with
+   the sparse mask (context strictly before the anchor + own block; blocks blind to each other) as a flex
+   `BlockMask` on GPU or a dense boolean mask (SDPA) on CPU (`forward.draft_forward`);
+4. same-position labels, target LM head on the labelled slots only, cross-entropy weighted by
+   `exp(-(k - 1) / gamma)` and normalised by the weight sum (`metrics.block_loss`);
+5. with a Markov head: the head's correction for each slot's true previous token (teacher forcing) added to those
+   logits, each slot's loss mixed as `(1 - w) * CE(backbone logits) + w * CE(corrected logits)`
+   (`markov_loss_weight`); `freeze_backbone` trains the head alone.
+"""
+
+from __future__ import annotations
+
+import torch
+from dflash_hf.modeling import DFlashDraftModel
+from transformers.cache_utils import DynamicCache
+
+from .config import DFlashTrainingConfig
+from .forward import draft_forward, slot_logits, teacher_probs
+from .masks import BlockBatch, build_blocks, sample_anchors
+from .metrics import block_loss, correct_slots
+
+
+def _attention_mask(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The batch's attention mask (all ones when the batch has none)."""
+    mask = inputs.get("attention_mask")
+    return torch.ones_like(inputs["input_ids"]) if mask is None else mask
+
+
+class DFlashLossMixin:
+    """The loss methods of [`DFlashTrainer`]. They read the frozen target through the trainer's `adapter`, the
+    drafter's attention backend `attn_implementation`, and the settings [`_set_loss_settings`] copies from the
+    drafter and the training config (attributes, so a subclass or a test may change them between batches)."""
+
+    def _set_loss_settings(self, model: DFlashDraftModel, args: DFlashTrainingConfig) -> None:
+        """What `dflash_loss` reads: the drafter's block size and mask id, the loss settings of `args`, and the maps
+        between target and draft ids of a reduced draft vocabulary."""
+        self.block_size = int(model.config.block_size)
+        self.mask_token_id = int(model.config.mask_token_id)
+        self.loss_decay_gamma = float(args.loss_decay_gamma)
+        self.loss_weighting = args.loss_weighting
+        self.num_anchors = int(args.num_anchors)
+        self.distill_weight = float(args.distill_weight)
+        self.tv_weight = float(args.tv_weight)
+        self.hard_labels = args.hard_labels
+        self.has_markov_head = model.markov_head is not None
+        self.markov_loss_weight = float(args.markov_loss_weight)
+        draft_ids = model.draft_token_ids
+        self.draft_token_ids = None if draft_ids is None else draft_ids.detach().clone()
+        self.target_to_draft = None  # target id -> draft id, -100 (ignored) outside the draft vocabulary
+        if self.draft_token_ids is not None:
+            self.target_to_draft = torch.full((self.adapter.vocab_size,), -100, dtype=torch.long)
+            self.target_to_draft[self.draft_token_ids] = torch.arange(self.draft_token_ids.numel())
+
+    @torch.no_grad()
+    def target_features(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tapped target hidden states `(b, n, k * H)` and final normed hidden states `(b, n, H)` for a right-padded
+        batch (online mode)."""
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
+        step = self.adapter.forward(input_ids, attention_mask, position_ids, DynamicCache())
+        return step.context_hidden_states, step.last_hidden_state
+
+    @property
+    def _uses_teacher(self) -> bool:
+        """Whether the loss needs the target's own next-token distribution (distillation, TV, target labels)."""
+        return self.distill_weight > 0 or self.tv_weight > 0 or self.hard_labels == "target"
+
+    def dflash_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, torch.Tensor],
+        attn_implementation: str | None = None,
+        anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Weighted block loss of one batch and the statistics behind the metrics.
+
+        `anchors=(anchors, anchor_valid)` overrides the random sampling (tests, reproducible evaluation).
+        """
+        context, teacher = self._features(inputs)
+        blocks = self._prepare_blocks(inputs, model.training, anchors)
+        implementation = attn_implementation or self.attn_implementation
+        hidden, markov_bias = draft_forward(model, self.adapter, context, blocks, implementation, self.has_markov_head)
+        selected = blocks.weights > 0
+        weights = blocks.weights[selected]
+        if weights.numel() == 0:  # no sequence had room for a block: keep every parameter in the graph (DDP)
+            return hidden.sum() * 0.0, {"correct": torch.zeros_like(selected), "selected": selected}
+        logits, labels, target_probs = self._slot_targets(hidden[selected], blocks, teacher, selected)
+        # with a Markov head, the logits the engine drafts from (the metrics' too) are the corrected ones
+        corrected = logits if markov_bias is None else logits + markov_bias[selected].float()
+        loss = block_loss(
+            corrected,
+            labels,
+            weights,
+            selected,
+            loss_weighting=self.loss_weighting,
+            target_probs=target_probs,
+            distill_weight=self.distill_weight,
+            tv_weight=self.tv_weight,
+            backbone_logits=None if markov_bias is None else logits,
+            markov_loss_weight=self.markov_loss_weight,
+        )
+        stats = {"correct": correct_slots(corrected, labels, selected), "selected": selected}
+        return loss, {**stats, "anchors": blocks.anchors, "anchor_valid": blocks.anchor_valid}
+
+    def _features(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The batch's context features and the target's final hidden states (`None` if not cached): cached (offline)
+        or from the target (online)."""
+        teacher = inputs.get("target_final_hidden")
+        if "context_hidden_states" in inputs:
+            context = inputs["context_hidden_states"]
+        else:
+            context, teacher = self.target_features(inputs["input_ids"], _attention_mask(inputs))
+        if self._uses_teacher and teacher is None:
+            raise ValueError(
+                "distill_weight > 0, tv_weight > 0 and hard_labels='target' need the target's final hidden states "
+                "(`target_final_hidden`): cache features with final hidden states or use features='online'."
+            )
+        return context, teacher
+
+    def _prepare_blocks(
+        self, inputs: dict[str, torch.Tensor], sample: bool, anchors: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> BlockBatch:
+        """The batch's blocks: anchors (`anchors` where given; else up to `num_anchors` random ones per sequence
+        when `sample`, every valid one otherwise), each block's input `[anchor, MASK * (B - 1)]`, positions,
+        same-position labels and slot weights (`masks.build_blocks`)."""
+        input_ids, loss_mask = inputs["input_ids"], inputs["loss_mask"]
+        if anchors is None:  # training samples anchors; evaluation takes every valid one (deterministic)
+            lengths = _attention_mask(inputs).sum(dim=1)
+            count = self.num_anchors if sample else input_ids.shape[1]
+            anchors = sample_anchors(loss_mask, lengths, self.block_size, count)
+        anchor_ids, anchor_valid = anchors
+        return build_blocks(
+            input_ids, loss_mask, anchor_ids, anchor_valid, self.block_size, self.mask_token_id, self.loss_decay_gamma
+        )
+
+    def _slot_targets(
+        self, hidden: torch.Tensor, blocks: BlockBatch, teacher: torch.Tensor | None, selected: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """For the labelled slots' hidden states `hidden`: the backbone's logits and their hard labels
+        (`forward.slot_logits`), and the teacher's distribution where the loss uses it (`forward.teacher_probs`, else
+        `None`)."""
+        if self.draft_token_ids is not None:  # the draft vocabulary's maps follow the batch's device
+            self.draft_token_ids = self.draft_token_ids.to(hidden.device)
+            self.target_to_draft = self.target_to_draft.to(blocks.labels.device)
+        labels = blocks.labels[selected]
+        logits, labels = slot_logits(self.adapter, hidden, labels, self.draft_token_ids, self.target_to_draft)
+        if not self._uses_teacher:
+            return logits, labels, None
+        target_probs = teacher_probs(self.adapter, teacher, blocks.block_positions, selected, self.draft_token_ids)
+        if self.hard_labels == "target":
+            labels = target_probs.argmax(dim=-1)
+        return logits, labels, target_probs
