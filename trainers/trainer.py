@@ -37,8 +37,9 @@ from functools import partial
 
 import torch
 from dflash_hf.modeling import DFlashDraftModel
+from dflash_hf.modeling.configuration_dflash import markov_head_type
 from transformers import EarlyStoppingCallback, PreTrainedModel
-from transformers.trainer_utils import EvalLoopOutput
+from transformers.trainer_utils import EvalLoopOutput, TrainOutput
 from transformers.utils import logging
 
 from dflash_hf import runtime
@@ -50,7 +51,7 @@ from .config import DFlashTrainingConfig
 from .drafter import freeze_backbone, resolve_drafter
 from .loss import DFlashLossMixin
 from .metrics import batch_metric_sums, metrics_from_sums, zero_metric_sums
-from .optimizers import build_optimizer
+from .optimizers import MuonWithAdamW, build_optimizer
 
 logger = logging.get_logger(__name__)
 
@@ -298,6 +299,54 @@ class DFlashTrainer(DFlashLossMixin, PickleFreeCheckpoints):
             if "loss" in logs:
                 logs = {**logs, **metrics}
         super().log(logs, start_time)
+
+    def training_facts(self, result: TrainOutput, last_log: dict[str, float], wall_seconds: float, data: str) -> dict:
+        """The recorded facts of a finished run, for the model card: the data (named by `data`), steps, recipe,
+        optimizer, precision, wall time, final loss, the draft vocabulary's coverage and the Markov head where there
+        are, the training metrics of the last training log (`last_log`) and the best evaluation metric."""
+        args = self.args
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # the Trainer's accelerate wrapper, if any
+        facts = {
+            "data": data,
+            "samples": len(self.train_dataset),
+            "steps": self.state.global_step,
+            "epochs": args.num_train_epochs,
+            "block_size": args.block_size,
+            "num_anchors": args.num_anchors,
+            "loss_decay_gamma": args.loss_decay_gamma,
+            "loss_weighting": args.loss_weighting,
+            "learning_rate": args.learning_rate,
+            "effective_batch_size": args.per_device_train_batch_size
+            * args.gradient_accumulation_steps
+            * args.world_size,
+            "features": args.features,
+            "distill_weight": args.distill_weight,
+            "tv_weight": args.tv_weight,
+            "hard_labels": args.hard_labels,
+            "init_from_target": args.init_from_target,
+            "optimizer": "muon+adamw"
+            if isinstance(optimizer, MuonWithAdamW)
+            else getattr(args.optim, "value", str(args.optim)),
+            "precision": "bf16 autocast" if args.bf16 else ("fp16 autocast" if args.fp16 else "fp32"),
+            "wall_time_s": round(wall_seconds, 1),
+            "final_train_loss": round(float(result.training_loss), 4),
+        }
+        if self.draft_vocabulary_coverage is not None:
+            facts["draft_vocabulary_coverage"] = round(self.draft_vocabulary_coverage, 4)
+        if self.has_markov_head:
+            drafter = self.accelerator.unwrap_model(self.model).config
+            facts["markov_head"] = f"rank {drafter.markov_rank}, {markov_head_type(drafter)}"
+            facts.update(
+                markov_loss_weight=args.markov_loss_weight,
+                freeze_backbone=args.freeze_backbone,
+                markov_learning_rate=args.markov_learning_rate or args.learning_rate,
+            )
+        for key in ("accuracy", "acceptance_length", "acceptance_length_blockwise"):
+            if key in last_log:
+                facts[f"train_{key}"] = round(float(last_log[key]), 4)
+        if self.state.best_metric is not None and args.metric_for_best_model:
+            facts[f"best_eval_{args.metric_for_best_model}"] = round(float(self.state.best_metric), 4)
+        return facts
 
     def create_model_card(self, *args, **kwargs) -> None:
         """Model cards of trained drafters are written by `dflash_hf.export` (see `dflash-hf train`)."""

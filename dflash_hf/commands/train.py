@@ -190,7 +190,7 @@ def train(script: DFlashScriptArguments, config) -> dict:
         drafter = trainer.accelerator.unwrap_model(trainer.model)
         export_dir = script.export_dir or os.path.join(config.output_dir, "final")
         data_name = " + ".join(_data_name(folder, manifest) for folder, manifest in zip(folders, manifests))
-        training_facts = _training_facts(trainer, config, result, last, wall, data_name)
+        training_facts = trainer.training_facts(result, last, wall, data_name)
         summary["export_dir"] = str(_export(drafter, export_dir, target, script, training_facts, base_model))
         Path(config.output_dir).mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(config.output_dir) / "train_summary.json", json.dumps(summary, indent=1, default=str))
@@ -242,57 +242,6 @@ def _data_name(folder: str, manifest: dict | None) -> str:
     decoding = manifest.get("settings", {}).get("decoding", "greedy")
     kind = "regenerated" if decoding == "greedy" else "teacher-forced"
     return f"{manifest.get('source')} ({manifest['counts']['samples']} {kind})"
-
-
-def _training_facts(trainer, config, result, last: dict, wall: float, data: str) -> dict:
-    """The recorded facts of a finished run (data, steps, recipe, wall time, final metrics) for the model card."""
-    from dflash_hf.trainers.optimizers import MuonWithAdamW
-
-    facts = {
-        "data": data,
-        "samples": len(trainer.train_dataset),
-        "steps": trainer.state.global_step,
-        "epochs": config.num_train_epochs,
-        "block_size": config.block_size,
-        "num_anchors": config.num_anchors,
-        "loss_decay_gamma": config.loss_decay_gamma,
-        "loss_weighting": config.loss_weighting,
-        "learning_rate": config.learning_rate,
-        "effective_batch_size": config.per_device_train_batch_size
-        * config.gradient_accumulation_steps
-        * trainer.args.world_size,
-        "features": config.features,
-        "distill_weight": config.distill_weight,
-        "tv_weight": config.tv_weight,
-        "hard_labels": config.hard_labels,
-        "init_from_target": config.init_from_target,
-        "optimizer": (
-            "muon+adamw"
-            if isinstance(getattr(trainer.optimizer, "optimizer", trainer.optimizer), MuonWithAdamW)
-            else getattr(config.optim, "value", str(config.optim))
-        ),
-        "precision": "bf16 autocast" if config.bf16 else ("fp16 autocast" if config.fp16 else "fp32"),
-        "wall_time_s": round(wall, 1),
-        "final_train_loss": round(float(result.training_loss), 4),
-    }
-    if trainer.draft_vocabulary_coverage is not None:
-        facts["draft_vocabulary_coverage"] = round(trainer.draft_vocabulary_coverage, 4)
-    if trainer.has_markov_head:
-        from dflash_hf.modeling.configuration_dflash import markov_head_type
-
-        drafter_config = trainer.accelerator.unwrap_model(trainer.model).config
-        facts["markov_head"] = f"rank {drafter_config.markov_rank}, {markov_head_type(drafter_config)}"
-        facts.update(
-            markov_loss_weight=config.markov_loss_weight,
-            freeze_backbone=config.freeze_backbone,
-            markov_learning_rate=config.markov_learning_rate or config.learning_rate,
-        )
-    for key in ("accuracy", "acceptance_length", "acceptance_length_blockwise"):
-        if key in last:
-            facts[f"train_{key}"] = round(float(last[key]), 4)
-    if trainer.state.best_metric is not None and config.metric_for_best_model:
-        facts[f"best_eval_{config.metric_for_best_model}"] = round(float(trainer.state.best_metric), 4)
-    return facts
 
 
 def _export(drafter, export_dir: str, target, script: DFlashScriptArguments, training: dict, base_model: str) -> Path:
