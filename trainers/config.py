@@ -23,18 +23,22 @@ HARD_LABELS = ("data", "target")
 @dataclass
 class DFlashTrainingConfig(TrainingArguments):
     r"""
-    Configuration of [`DFlashTrainer`]. Only the DFlash-specific parameters are listed; see
-    [`~transformers.TrainingArguments`] for the rest.
+    Configuration of [`DFlashTrainer`]. Only the DFlash-specific parameters are listed, by group; see
+    [`~transformers.TrainingArguments`] for the rest. A parameter with a fixed set of values lists them as `choices` in
+    its field's metadata (the command line refuses others).
+
+    Defaults that differ from [`~transformers.TrainingArguments`] (the DFlash paper's recipe): `learning_rate=6e-4`
+    (there `5e-5`), `lr_scheduler_type="cosine"` (`"linear"`), `warmup_steps=0.04`, a ratio of the total steps (`0`),
+    `num_train_epochs=6` (`3`), `logging_steps=10` (`500`) and `remove_unused_columns=False` (`True`: the collator reads
+    the rows' `input_ids` and `loss_mask`); `max_grad_norm` stays `1.0`. With `load_best_model_at_end` or
+    `early_stopping_patience` and no `metric_for_best_model`, the best model is the one with the highest
+    `acceptance_length_blockwise` (there: the lowest loss).
 
     Parameters:
+        > The drafter's shape
+
         block_size (`int`, defaults to `16`): Tokens per training block (anchor + `block_size - 1` predicted slots).
             A drafter trained with a larger block generalises down to smaller inference blocks, not up.
-        num_anchors (`int`, defaults to `512`): Maximum number of random anchors (blocks) per sequence and step.
-        loss_decay_gamma (`float`, *optional*): Slot `k` is weighted by `exp(-(k - 1) / gamma)`. Defaults by block
-            size: 7 for B=16, 5 for B=10, 4 for B=8 (see `default_loss_decay_gamma` for other sizes).
-        loss_weighting (`str`, defaults to `"exp_decay"`): `exp_decay` weights slots as above; `dpace` weights each
-            slot by its effect on the block's expected accepted length under the drafter's current probabilities of
-            the labels (D-PACE, see `dflash_hf.trainers.metrics.dpace_slot_weights`); `loss_decay_gamma` is then unused.
         num_draft_layers (`int`, defaults to `5`): Decoder layers of a new drafter.
         target_layer_ids (`list[int]`, *optional*): Target layers tapped for the context feature; by default
             `num_target_features` layers spread over the target (docs/design.md §1).
@@ -44,13 +48,19 @@ class DFlashTrainingConfig(TrainingArguments):
         draft_vocab_size (`int`, *optional*): A new drafter drafts over the `draft_vocab_size` most frequent response
             tokens of the training data (see `DFlashConfig.draft_vocab_size`); the loss is then computed over that
             vocabulary and labels outside it count as misses.
-        features (`str`, defaults to `"online"`): `"online"` runs the frozen target each step; `"offline"` reads
-            features stored by `dflash-hf cache-features` from `features_dir`.
-        features_dir (`str`, *optional*): Folder written by `dflash-hf cache-features` (offline features).
-        max_length (`int`, defaults to `3072`): Sequences are truncated to this many tokens.
-        attention_backend (`str`, defaults to `"auto"`): Drafter attention during training: `"flex_attention"`
-            (sparse block mask; the default on GPU), `"sdpa"` with a dense boolean mask (the default on CPU, where
-            flex attention has no backward) or `"eager"`.
+        init_from_target (`bool`, defaults to `False`): Start a new drafter's decoder layers from copies of the
+            target's top `num_draft_layers` layers (and its final norm), with `fc` selecting the last tapped layer
+            and `hidden_norm` set to the first copied layer's input norm, so the first draft layer starts from the
+            features it expects. Needs a target whose layers have the drafter's shapes.
+
+        > Loss
+
+        num_anchors (`int`, defaults to `512`): Maximum number of random anchors (blocks) per sequence and step.
+        loss_decay_gamma (`float`, *optional*): Slot `k` is weighted by `exp(-(k - 1) / gamma)`. Defaults by block
+            size: 7 for B=16, 5 for B=10, 4 for B=8 (see `default_loss_decay_gamma` for other sizes).
+        loss_weighting (`str`, defaults to `"exp_decay"`): `exp_decay` weights slots as above; `dpace` weights each
+            slot by its effect on the block's expected accepted length under the drafter's current probabilities of
+            the labels (D-PACE, see `dflash_hf.trainers.metrics.dpace_slot_weights`); `loss_decay_gamma` is then unused.
         distill_weight (`float`, defaults to `0.0`): Weight of the distillation loss, mixed with the hard-label loss
             as `(1 - w) * CE(label) + w * CE(teacher)`: for slot `k` the teacher is the target's own next-token
             distribution at position `anchor + k - 1` (its final hidden state through the frozen LM head, over the
@@ -65,10 +75,24 @@ class DFlashTrainingConfig(TrainingArguments):
             draft vocabulary), which is what greedy verification accepts. On target-regenerated data the two agree; on
             teacher-forced data (`make-data --responses source`) only `"target"` teaches the target's choices. Needs
             the same final hidden states as distillation.
-        init_from_target (`bool`, defaults to `False`): Start a new drafter's decoder layers from copies of the
-            target's top `num_draft_layers` layers (and its final norm), with `fc` selecting the last tapped layer
-            and `hidden_norm` set to the first copied layer's input norm, so the first draft layer starts from the
-            features it expects. Needs a target whose layers have the drafter's shapes.
+
+        > Data and features
+
+        features (`str`, defaults to `"online"`): `"online"` runs the frozen target each step; `"offline"` reads
+            features stored by `dflash-hf cache-features` from `features_dir`.
+        features_dir (`str`, *optional*): Folder written by `dflash-hf cache-features` (offline features).
+        max_length (`int`, defaults to `3072`): Sequences are truncated to this many tokens.
+        max_train_samples (`int`, *optional*): Train on the first N rows of the training data only (ablations on a
+            subset of a cached dataset); counted from `skip_train_samples`. Offline features need to cover only
+            these rows, so a run can start while `cache-features` is still working through the rest.
+        skip_train_samples (`int`, defaults to `0`): Leave out the first N rows of the training data: continue a
+            drafter on the rows a grown make-data folder added since its last stage (offline features stay aligned).
+        attention_backend (`str`, defaults to `"auto"`): Drafter attention during training: `"flex_attention"`
+            (sparse block mask; the default on GPU), `"sdpa"` with a dense boolean mask (the default on CPU, where
+            flex attention has no backward) or `"eager"`.
+
+        > Markov head
+
         markov_rank (`int`, *optional*): Give the drafter a Markov head of this rank (DSpark's; see
             `DFlashConfig.markov_rank`): a new drafter, or a loaded one without a head (its new head starts at zero, so
             training starts from the drafter's own drafts). A loaded drafter's existing head must match it.
@@ -88,14 +112,12 @@ class DFlashTrainingConfig(TrainingArguments):
             one rate that applies); defaults to `learning_rate`. A joint run onto a trained drafter gives the new head
             (starting at zero) a higher rate than the backbone keeps. The head is optimised by the Trainer's optimizer
             (AdamW by default), and by AdamW under `muon` (`markov_w1` is an embedding table).
+
+        > Optimisation
+
         muon (`bool`, defaults to `False`): Optimise the drafter's 2-D weight matrices with `torch.optim.Muon`
             (learning rate matched to AdamW's update RMS) and the rest (norms, a Markov head) with AdamW. With
             `freeze_backbone` no backbone matrix trains, so the head gets the Trainer's optimizer.
-        max_train_samples (`int`, *optional*): Train on the first N rows of the training data only (ablations on a
-            subset of a cached dataset); counted from `skip_train_samples`. Offline features need to cover only
-            these rows, so a run can start while `cache-features` is still working through the rest.
-        skip_train_samples (`int`, defaults to `0`): Leave out the first N rows of the training data: continue a
-            drafter on the rows a grown make-data folder added since its last stage (offline features stay aligned).
         early_stopping_patience (`int`, *optional*): Stop when the evaluation metric (`metric_for_best_model`, by
             default the held-out blockwise acceptance length) has not improved for this many evaluations.
 
@@ -105,19 +127,8 @@ class DFlashTrainingConfig(TrainingArguments):
     `metric_for_best_model` (default: `acceptance_length_blockwise`, higher is better) is the one kept and exported.
     """
 
+    # The drafter's shape
     block_size: int = field(default=16, metadata={"help": "Tokens per training block (anchor + block_size - 1 slots)."})
-    num_anchors: int = field(default=512, metadata={"help": "Maximum random anchors (blocks) per sequence."})
-    loss_decay_gamma: float | None = field(
-        default=None,
-        metadata={"help": "Slot k loss weight exp(-(k-1)/gamma). Default by block size: 16->7, 10->5, 8->4."},
-    )
-    loss_weighting: str = field(
-        default="exp_decay",
-        metadata={
-            "help": "How block slots are weighted in the loss: exp_decay (exp(-(k-1)/gamma)) or dpace (each slot's "
-            "effect on the block's expected accepted length under the drafter's current probabilities, D-PACE)."
-        },
-    )
     num_draft_layers: int = field(default=5, metadata={"help": "Decoder layers of a new drafter."})
     target_layer_ids: list[int] | None = field(
         default=None, metadata={"help": "Target layers tapped for the context feature (default: spread)."}
@@ -131,15 +142,24 @@ class DFlashTrainingConfig(TrainingArguments):
             "LM head and loss); default: the full vocabulary."
         },
     )
-    features: str = field(
-        default="online", metadata={"help": "'online' (target forward each step) or 'offline' (cached features)."}
-    )
-    features_dir: str | None = field(default=None, metadata={"help": "Folder written by `dflash-hf cache-features`."})
-    max_length: int = field(default=3072, metadata={"help": "Truncate sequences to this many tokens."})
-    attention_backend: str = field(
-        default="auto", metadata={"help": "'auto' (flex on GPU, sdpa on CPU), 'flex_attention', 'sdpa' or 'eager'."}
+    init_from_target: bool = field(
+        default=False, metadata={"help": "Initialise a new drafter's layers from the target's top layers."}
     )
 
+    # Loss
+    num_anchors: int = field(default=512, metadata={"help": "Maximum random anchors (blocks) per sequence."})
+    loss_decay_gamma: float | None = field(
+        default=None,
+        metadata={"help": "Slot k loss weight exp(-(k-1)/gamma). Default by block size: 16->7, 10->5, 8->4."},
+    )
+    loss_weighting: str = field(
+        default="exp_decay",
+        metadata={
+            "help": "How block slots are weighted in the loss: exp_decay (exp(-(k-1)/gamma)) or dpace (each slot's "
+            "effect on the block's expected accepted length under the drafter's current probabilities, D-PACE).",
+            "choices": list(LOSS_WEIGHTINGS),
+        },
+    )
     distill_weight: float = field(
         default=0.0,
         metadata={"help": "Distillation weight w: (1-w) * CE(label) + w * CE(target's next-token distribution)."},
@@ -154,12 +174,36 @@ class DFlashTrainingConfig(TrainingArguments):
     hard_labels: str = field(
         default="data",
         metadata={
-            "help": "'data' (the dataset's next token) or 'target' (the target's argmax: for teacher-forced data)."
+            "help": "'data' (the dataset's next token) or 'target' (the target's argmax: for teacher-forced data).",
+            "choices": list(HARD_LABELS),
         },
     )
-    init_from_target: bool = field(
-        default=False, metadata={"help": "Initialise a new drafter's layers from the target's top layers."}
+
+    # Data and features
+    features: str = field(
+        default="online",
+        metadata={
+            "help": "'online' (target forward each step) or 'offline' (cached features).",
+            "choices": list(FEATURE_MODES),
+        },
     )
+    features_dir: str | None = field(default=None, metadata={"help": "Folder written by `dflash-hf cache-features`."})
+    max_length: int = field(default=3072, metadata={"help": "Truncate sequences to this many tokens."})
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "Train on the first N rows of the training data only."}
+    )
+    skip_train_samples: int = field(
+        default=0, metadata={"help": "Leave out the first N rows (train on the rows a grown data folder added)."}
+    )
+    attention_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "'auto' (flex on GPU, sdpa on CPU), 'flex_attention', 'sdpa' or 'eager'.",
+            "choices": list(ATTENTION_BACKENDS),
+        },
+    )
+
+    # Markov head
     markov_rank: int | None = field(
         default=None,
         metadata={"help": "Give the drafter a Markov head of this rank (DSpark's; new or headless drafter)."},
@@ -176,18 +220,14 @@ class DFlashTrainingConfig(TrainingArguments):
         default=None,
         metadata={"help": "Peak learning rate of the Markov head (default: learning_rate, which drives the rest)."},
     )
+
+    # Optimisation
     muon: bool = field(default=False, metadata={"help": "torch.optim.Muon for 2-D weights, AdamW for the rest."})
-    max_train_samples: int | None = field(
-        default=None, metadata={"help": "Train on the first N rows of the training data only."}
-    )
-    skip_train_samples: int = field(
-        default=0, metadata={"help": "Leave out the first N rows (train on the rows a grown data folder added)."}
-    )
     early_stopping_patience: int | None = field(
         default=None, metadata={"help": "Stop after this many evaluations without improvement of the best metric."}
     )
 
-    # Paper defaults for the inherited Trainer options.
+    # Defaults of the inherited Trainer options (the paper's recipe)
     learning_rate: float = field(default=6e-4, metadata={"help": "Peak AdamW learning rate."})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": "Learning-rate schedule."})
     warmup_steps: float = field(
