@@ -74,6 +74,14 @@ def test_integer_weights_are_refused_not_cast(saved):
         DFlashDraftModel.from_pretrained(saved)
 
 
+def test_a_trainer_checkpoint_folder_loads_as_a_drafter(saved):
+    """Only the weights are checked: a checkpoint's other safetensors files (RNG and optimizer states, with integer
+    tensors) stay beside them, as `--drafter runs/x/checkpoint-N` continues training from one."""
+    save_file({"rng_state.numpy.1": torch.zeros(4, dtype=torch.int32)}, saved / "rng_state.safetensors")
+    save_file({"state.0.step": torch.zeros(1, dtype=torch.int64)}, saved / "optimizer.safetensors")
+    assert DFlashDraftModel.from_pretrained(saved).config.block_size == 4
+
+
 def test_lookup_tokens_are_bounded_before_any_allocation(target, capsys):
     drafter = make_drafter(target)
     ids = torch.randint(3, 64, (1, 6))

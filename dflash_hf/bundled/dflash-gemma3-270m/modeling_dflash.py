@@ -443,9 +443,11 @@ def _safetensors_header(path: str) -> dict:
 
 
 def _check_weight_files(folder: str) -> None:
-    """Refuse weight files named outside `folder` by the shard index, and non-float tensors. (A weight file may be a
-    link, as in a Hub cache snapshot; Transformers reads it through the link too.)"""
-    names = sorted(name for name in os.listdir(folder) if name.endswith(".safetensors"))
+    """Refuse weight files named outside `folder` by the shard index, and non-float tensors. The weight files are
+    `model.safetensors` or the shards the index names; other files (a trainer checkpoint's optimizer and RNG states)
+    are not read. (A weight file may be a link, as in a Hub cache snapshot; Transformers reads it through the link
+    too.)"""
+    names = ["model.safetensors"] if os.path.isfile(os.path.join(folder, "model.safetensors")) else []
     index_path = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index_path):
         try:
