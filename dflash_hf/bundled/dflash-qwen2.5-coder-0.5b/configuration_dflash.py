@@ -1,0 +1,410 @@
+"""Configuration of the DFlash block-diffusion drafter.
+
+This file ships inside every Hub checkpoint as remote code: it imports only ``transformers`` (and, in the model
+file, ``torch``), never ``dflash_hf``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from transformers.configuration_utils import PreTrainedConfig
+
+
+def default_target_layer_ids(num_target_layers: int, num_target_features: int) -> list[int]:
+    """Spread ``num_target_features`` taps from layer 1 to layer ``n - 3`` of an ``n``-layer target.
+
+    ``round(1 + i * (n - 4) / (k - 1))`` for ``i = 0..k-1``; a single tap takes the middle layer ``n // 2``.
+    E.g. ``n=36, k=5 -> [1, 9, 17, 25, 33]`` and ``n=32, k=5 -> [1, 8, 15, 22, 29]``.
+    """
+    if num_target_features < 1:
+        raise ValueError(f"num_target_features must be >= 1, got {num_target_features}.")
+    if num_target_features == 1:
+        return [num_target_layers // 2]
+    if num_target_layers < 4:
+        raise ValueError(
+            f"The default layer selection needs a target with at least 4 layers (got {num_target_layers}); "
+            "pass `target_layer_ids` explicitly."
+        )
+    span = num_target_layers - 4
+    ids = [int(round(1 + i * span / (num_target_features - 1))) for i in range(num_target_features)]
+    if len(set(ids)) != len(ids):
+        raise ValueError(
+            f"Cannot spread {num_target_features} distinct taps over a {num_target_layers}-layer target; "
+            "use fewer features or pass `target_layer_ids` explicitly."
+        )
+    return ids
+
+
+def _text_config(config: PreTrainedConfig) -> PreTrainedConfig:
+    getter = getattr(config, "get_text_config", None)
+    return getter(decoder=True) if getter is not None else config
+
+
+def _full_attention_rope(rope_parameters: Any) -> dict | None:
+    """Return the RoPE parameters of the target's full-attention layers (Gemma 3 keeps one dict per layer type)."""
+    if not isinstance(rope_parameters, dict):
+        return None
+    if "rope_type" in rope_parameters or "rope_theta" in rope_parameters:
+        return dict(rope_parameters)
+    for key in ("full_attention", "global", "default"):
+        if isinstance(rope_parameters.get(key), dict):
+            return dict(rope_parameters[key])
+    return None
+
+
+def real_token_count(tokenizer: Any) -> int:
+    """Number of the tokenizer's real tokens: ``len(tokenizer)`` less the trailing placeholders ``[PAD<id>]`` that
+    tokenizers read from a GGUF file list for the embedding's spare rows (Qwen2.5: ids 151665 and up)."""
+    count = len(tokenizer)
+    name_of = getattr(tokenizer, "convert_ids_to_tokens", None)
+    while name_of is not None and count > 0 and name_of(count - 1) == f"[PAD{count - 1}]":
+        count -= 1
+    return count
+
+
+# Upper bounds of a DFlash config's sizes: far above any drafter (the official ones: 5-8 layers, blocks of 10-16),
+# low enough that a hostile config.json cannot ask for terabytes.
+SIZE_LIMITS = {
+    "hidden_size": 32_768,
+    "intermediate_size": 262_144,
+    "num_hidden_layers": 128,
+    "num_attention_heads": 512,
+    "num_key_value_heads": 512,
+    "head_dim": 2_048,
+    "block_size": 256,
+    "vocab_size": 4_194_304,
+    "draft_vocab_size": 4_194_304,
+    "max_position_embeddings": 16_777_216,
+    "num_target_layers": 1_024,
+}
+MAX_MARKOV_RANK = 8_192
+_OPTIONAL_SIZES = ("vocab_size", "draft_vocab_size", "num_target_layers", "head_dim")
+
+
+# Keys of the official (z-lab) Qwen3-style layout that have no meaning for `DFlashConfig`.
+_OFFICIAL_ONLY_KEYS = (
+    "model_type",
+    "auto_map",
+    "dflash_config",
+    "layer_types",
+    "use_sliding_window",
+    "sliding_window",
+    "max_window_layers",
+    "use_cache",
+    "sample_from_anchor",
+)
+
+# `markov_head_type` of DeepSpec / speculators / llama.cpp configs -> `DFlashConfig.markov_gated`.
+MARKOV_HEAD_TYPES = {"vanilla": False, "gated": True}
+
+
+def _is_official_config_dict(config_dict: dict) -> bool:
+    """Whether `config_dict` is an official DFlash config: a plain Qwen3-style config naming `DFlashDraftModel`."""
+    return "dflash_config" in config_dict or "DFlashDraftModel" in (config_dict.get("architectures") or [])
+
+
+def _config_dict_from_official(config_dict: dict) -> dict:
+    """Map an official DFlash config dict onto `DFlashConfig` keys (`dflash_config.*` and `block_size` lifted)."""
+    dflash = dict(config_dict.get("dflash_config") or {})
+    if dflash.get("target_layer_ids") is None:
+        raise ValueError(
+            "This official-format DFlash config has no `dflash_config.target_layer_ids`. They decide which target "
+            "layers feed the drafter and are never guessed (a guess silently breaks published checkpoints): add "
+            'the list the drafter was trained with, e.g. `"dflash_config": {"target_layer_ids": [1, 9, 17, 25, 33], '
+            '"mask_token_id": 151669}`.'
+        )
+    block_size = dflash.get("block_size", config_dict.get("block_size"))
+    if block_size is None:
+        raise ValueError(
+            "This official-format DFlash config has no `block_size` (top level or in `dflash_config`): add the block "
+            "size the drafter was trained with."
+        )
+    if config_dict.get("sample_from_anchor") is True:
+        raise ValueError(
+            "This config sets `sample_from_anchor: true` (DeepSpec's DSpark convention: the anchor's own output "
+            "predicts the next token). A DFlash drafter's slot k predicts the token at anchor + k and slot 0 is never "
+            "drafted, so this checkpoint cannot be read as one."
+        )
+    values = {key: value for key, value in config_dict.items() if key not in _OFFICIAL_ONLY_KEYS}
+    values.update(
+        target_layer_ids=list(dflash["target_layer_ids"]),
+        mask_token_id=dflash.get("mask_token_id", config_dict.get("mask_token_id")),
+        block_size=int(block_size),
+    )
+    if dflash.get("markov_rank"):
+        values.update(markov_fields(int(dflash["markov_rank"]), dflash.get("markov_head_type", "vanilla")))
+    return values
+
+
+def markov_fields(markov_rank: int, markov_head_type: str) -> dict:
+    """`DFlashConfig` fields of a Markov head described the DSpark way (`markov_rank`, `markov_head_type`)."""
+    if markov_head_type not in MARKOV_HEAD_TYPES:
+        raise ValueError(
+            f"markov_head_type {markov_head_type!r} is not supported: a DFlash drafter's Markov head is one of "
+            f"{sorted(MARKOV_HEAD_TYPES)} (DSpark's recurrent 'rnn' head and correction heads are not)."
+        )
+    return {"markov_rank": int(markov_rank), "markov_gated": MARKOV_HEAD_TYPES[markov_head_type]}
+
+
+def markov_head_type(config: "DFlashConfig") -> str:
+    """DSpark's name (`markov_head_type`) of the variant of `config`'s Markov head."""
+    return next(name for name, gated in MARKOV_HEAD_TYPES.items() if gated == bool(config.markov_gated))
+
+
+class DFlashConfig(PreTrainedConfig):
+    r"""
+    Configuration of a [`DFlashDraftModel`]: a small block-diffusion drafter that reads the hidden states of a target
+    LLM through K/V injection and drafts a whole block of tokens in one forward pass.
+
+    The drafter has no embedding and no LM head of its own: it borrows the target's, so its width equals the
+    target's hidden size. Build a config for a target with [`DFlashConfig.from_target`].
+
+    Args:
+        hidden_size (`int`): Width of the drafter, equal to the target's hidden size.
+        intermediate_size (`int`): Width of the SwiGLU MLP.
+        num_hidden_layers (`int`): Number of draft decoder layers (the paper uses 5).
+        num_attention_heads (`int`): Query heads per layer.
+        num_key_value_heads (`int`, *optional*): Key/value heads (grouped-query attention); defaults to
+            `num_attention_heads`.
+        head_dim (`int`, *optional*): Width of one head; defaults to `hidden_size // num_attention_heads`.
+        hidden_act (`str`): MLP activation.
+        rms_norm_eps (`float`): Epsilon of every RMSNorm.
+        max_position_embeddings (`int`): Longest context the rotary embedding is set up for.
+        rope_parameters (`dict`, *optional*): RoPE parameters (`rope_type`, `rope_theta`, ...), copied from the
+            target's full-attention layers.
+        attention_bias (`bool`): Whether q/k/v/o projections carry a bias.
+        attention_dropout (`float`): Dropout on attention probabilities during training.
+        initializer_range (`float`): Std of the normal init of linear weights.
+        vocab_size (`int`, *optional*): Number of rows of the target's embedding matrix; used to validate that the
+            drafter is paired with the right target and that `mask_token_id` is a valid row.
+        block_size (`int`): Tokens per drafted block (anchor + `block_size - 1` masked slots).
+        mask_token_id (`int`, *optional*): Target embedding row used for the masked slots.
+        target_layer_ids (`list[int]`): 0-based target decoder layers whose outputs form the context feature
+            (`hidden_states[i + 1]` in Transformers terms). Always stored explicitly.
+        num_target_layers (`int`, *optional*): Number of decoder layers of the target, for validation.
+        target_model_type (`str`, *optional*): `model_type` of the target the drafter was built for.
+        draft_vocab_size (`int`, *optional*): Draft over a reduced vocabulary of this many target tokens (the rows of
+            the target's LM head listed by the `d2t` buffer, EAGLE-3 convention: draft id `i` is target id
+            `i + d2t[i]`). Cuts the cost of the draft LM head; tokens outside it are simply never proposed.
+            `None` drafts over the full vocabulary.
+        markov_rank (`int`): Rank `r` of a Markov head (DSpark's, arXiv 2607.05147), `0` for none. Slot `k`'s logits
+            get a low-rank correction keyed on the token before it, `logits_k += W2 @ W1[token_{k-1}]`: `W1` is
+            `markov_head.markov_w1.weight` `(vocab_size, r)`, indexed by target ids; `W2` is
+            `markov_head.markov_w2.weight` `(draft vocabulary, r)`, over the reduced draft vocabulary when there is one.
+            The correction is added to the drafter's logits as the target's LM head gives them (after its final-logit
+            softcapping, where it has one). Slots are then drafted one after another: slot 1's previous token is the
+            anchor, slot `k`'s is the token drafted at slot `k - 1` (a greedy argmax, or the sample drawn from slot
+            `k - 1`'s corrected distribution). The tensor names and shapes are those of DeepSpec, speculators and
+            llama.cpp (`markov_w1` / `markov_w2`). Transformers' native DFlash path (`speculation_type="dflash"`)
+            does not apply the head: it drafts from the backbone's logits alone, which keeps its output exact.
+        markov_gated (`bool`): The gated variant of the head (DSpark's `markov_head_type: "gated"`): the correction is
+            `W2 @ (g * W1[token_{k-1}])` with `g = sigmoid(gate_proj([h_k; W1[token_{k-1}]]))` from the slot's final
+            hidden state `h_k` (`markov_head.gate_proj`, `(r, hidden_size + r)` plus a bias). Needs `markov_rank > 0`.
+    """
+
+    model_type = "dflash"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    hidden_size: int = 1024
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 5
+    num_attention_heads: int = 16
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    rope_parameters: dict | None = None
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    initializer_range: float = 0.02
+    vocab_size: int | None = None
+    block_size: int = 16
+    mask_token_id: int | None = None
+    target_layer_ids: list[int] | None = None
+    num_target_layers: int | None = None
+    target_model_type: str | None = None
+    draft_vocab_size: int | None = None
+    markov_rank: int = 0
+    markov_gated: bool = False
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.rope_parameters is None and "rope_theta" not in kwargs and "rope_scaling" not in kwargs:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+        if self.target_layer_ids is not None:
+            self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        super().__post_init__(**kwargs)
+        self.validate_dflash()
+
+    def validate_dflash(self) -> None:
+        """Raise a `ValueError` naming the problem if the DFlash-specific fields are inconsistent, or a size is no
+        integer within [`SIZE_LIMITS`] (a config from an untrusted folder must not allocate without bound)."""
+        for name, limit in SIZE_LIMITS.items():
+            value = getattr(self, name, None)
+            if value is None and name in _OPTIONAL_SIZES:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+                raise ValueError(
+                    f"{name} must be an int between 1 and {limit:,} in a DFlash config, got {value!r}: fix config.json."
+                )
+        if int(self.block_size) < 2:
+            raise ValueError(
+                f"block_size must be >= 2 (one anchor plus at least one drafted slot), got {self.block_size}."
+            )
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})."
+            )
+        if self.target_layer_ids is not None:
+            if len(self.target_layer_ids) == 0:
+                raise ValueError("target_layer_ids must name at least one target layer.")
+            if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+                raise ValueError(f"target_layer_ids must be distinct, got {self.target_layer_ids}.")
+            upper = self.num_target_layers
+            for layer_id in self.target_layer_ids:
+                if layer_id < 0 or (upper is not None and layer_id >= upper):
+                    raise ValueError(
+                        f"target_layer_ids {self.target_layer_ids} is out of range for a target with "
+                        f"{upper} decoder layers (valid ids: 0..{None if upper is None else upper - 1})."
+                    )
+        if self.draft_vocab_size is not None:
+            upper = self.vocab_size if self.vocab_size is not None else self.draft_vocab_size
+            if not 2 <= int(self.draft_vocab_size) <= int(upper):
+                raise ValueError(
+                    f"draft_vocab_size must be between 2 and the target vocabulary ({upper}), got "
+                    f"{self.draft_vocab_size}; use None to draft over the full vocabulary."
+                )
+        rank = self.markov_rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= MAX_MARKOV_RANK:
+            raise ValueError(
+                f"markov_rank must be an int between 0 (no Markov head) and {MAX_MARKOV_RANK}, got {rank!r}."
+            )
+        if self.markov_rank and self.vocab_size is None:
+            raise ValueError("A Markov head (markov_rank > 0) embeds target tokens: set the target's vocab_size.")
+        if self.markov_gated and not self.markov_rank:
+            raise ValueError("markov_gated needs a Markov head: set markov_rank > 0 (DSpark uses 256).")
+        if self.mask_token_id is not None and self.vocab_size is not None:
+            if not 0 <= int(self.mask_token_id) < int(self.vocab_size):
+                raise ValueError(
+                    f"mask_token_id {self.mask_token_id} is not a row of the target embedding "
+                    f"(vocab_size {self.vocab_size})."
+                )
+
+    @classmethod
+    def _dflash_config_dict(cls, config_dict: dict) -> dict:
+        """Return `config_dict` in this class's layout: official DFlash dicts are converted, other models refused."""
+        model_type = config_dict.get("model_type", cls.model_type)
+        if model_type == cls.model_type:
+            return config_dict
+        if _is_official_config_dict(config_dict):
+            return _config_dict_from_official(config_dict)
+        raise ValueError(
+            f"config.json has model_type `{model_type}`, which is not a DFlash drafter. Expected `{cls.model_type}` "
+            '(dflash-hf layout) or an official DFlash config (`architectures: ["DFlashDraftModel"]` with a '
+            "`dflash_config`). Point to the drafter's folder, not the target's."
+        )
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Like [`PreTrainedConfig.get_config_dict`], with official (z-lab) DFlash configs mapped onto this class.
+
+        The official layout is a Qwen3-style config with `architectures: ["DFlashDraftModel"]`,
+        `dflash_config: {"mask_token_id", "target_layer_ids"}` and `block_size` at the top level or in `dflash_config`.
+        """
+        config_file = os.path.join(str(pretrained_model_name_or_path), kwargs.get("subfolder") or "", "config.json")
+        if os.path.isfile(config_file):  # a local folder: a broken config.json gets a ValueError naming the file
+            try:
+                with open(config_file, encoding="utf-8") as handle:
+                    json.load(handle)
+            except ValueError as err:
+                raise ValueError(
+                    f"{config_file} is not valid JSON ({err}): restore the drafter's config.json or re-export it."
+                ) from err
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        return cls._dflash_config_dict(config_dict), kwargs
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs) -> "DFlashConfig":
+        """Like [`PreTrainedConfig.from_dict`]; also accepts an official DFlash config dict (see `get_config_dict`)."""
+        return super().from_dict(cls._dflash_config_dict(config_dict), **kwargs)
+
+    @property
+    def num_target_features(self) -> int:
+        """Number of tapped target layers, i.e. how many hidden states are concatenated into the context feature."""
+        return len(self.target_layer_ids or [])
+
+    @classmethod
+    def from_target(
+        cls,
+        target_config: PreTrainedConfig,
+        num_hidden_layers: int = 5,
+        block_size: int = 16,
+        num_target_features: int = 5,
+        mask_token_id: int | None = None,
+        target_layer_ids: list[int] | None = None,
+        tokenizer: Any | None = None,
+        **kwargs,
+    ) -> "DFlashConfig":
+        """Derive a drafter config from a target's config.
+
+        Every dimension (hidden size, heads, KV heads, head dim, intermediate size, activation, RoPE, vocab) is
+        copied from the target, and `target_layer_ids` is always written out explicitly.
+
+        Mask token choice when `mask_token_id` is not given: the first embedding row past the tokenizer's real
+        tokens ([`real_token_count`]) when a `tokenizer` is passed and the embedding has spare rows (Qwen3: 151669,
+        the id of the official drafts; Qwen2.5: 151665); otherwise the last embedding row (`vocab_size - 1`). The mask row only feeds the drafter's masked slots; a
+        generated token that happens to have the same id is an ordinary token everywhere else.
+        """
+        text = _text_config(target_config)
+        num_target_layers = int(text.num_hidden_layers)
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(num_target_layers, num_target_features)
+        vocab_size = int(text.vocab_size)
+        if mask_token_id is None:
+            used = real_token_count(tokenizer) if tokenizer is not None else None
+            mask_token_id = used if used is not None and used < vocab_size else vocab_size - 1
+        num_heads = int(text.num_attention_heads)
+        head_dim = getattr(text, "head_dim", None) or int(text.hidden_size) // num_heads
+        hidden_act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu"
+        rope = _full_attention_rope(getattr(text, "rope_parameters", None))
+        if rope is None:
+            rope = {"rope_type": "default", "rope_theta": float(getattr(text, "rope_theta", 10000.0))}
+        values = dict(
+            hidden_size=int(text.hidden_size),
+            intermediate_size=int(text.intermediate_size),
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or num_heads),
+            head_dim=int(head_dim),
+            hidden_act=hidden_act,
+            rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(getattr(text, "max_position_embeddings", 32768)),
+            rope_parameters=rope,
+            vocab_size=vocab_size,
+            block_size=block_size,
+            mask_token_id=int(mask_token_id),
+            target_layer_ids=list(target_layer_ids),
+            num_target_layers=num_target_layers,
+            target_model_type=getattr(text, "model_type", None),
+        )
+        values.update(kwargs)
+        return cls(**values)
+
+
+__all__ = [
+    "MARKOV_HEAD_TYPES",
+    "DFlashConfig",
+    "default_target_layer_ids",
+    "markov_fields",
+    "markov_head_type",
+    "real_token_count",
+]
