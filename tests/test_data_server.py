@@ -329,6 +329,7 @@ def test_ctrl_c_returns_at_once_while_requests_are_in_flight():
     import time
 
     tok = make_tokenizer()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as a fresh process takes it
     with _Scripted(tok, _completion(("sleep", 5))) as server:
         responder = _responder(server.url, tok, api="llama.cpp")
         timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
@@ -338,6 +339,7 @@ def test_ctrl_c_returns_at_once_while_requests_are_in_flight():
             responder([[1], [2]])
         timer.join()
         assert time.monotonic() - started < 3  # not after the 5 s answers
+    signal.signal(signal.SIGINT, previous)
 
 
 def test_openai_requests_state_no_repetition_penalty_so_no_served_default_applies():
