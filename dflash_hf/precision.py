@@ -36,7 +36,8 @@ def verdict_key(target: str, max_block: int, verify_tokens: int) -> str:
 
 
 def _load(target: str, drafter_dir: Path, device: torch.device, dtype: torch.dtype):
-    from .targets import load_drafter, load_target
+    from .drafters import load_drafter
+    from .targets import load_target
 
     model, tokenizer = load_target(target, dtype=dtype, device=device)
     return model, tokenizer, load_drafter(drafter_dir, model)

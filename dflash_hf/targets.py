@@ -51,12 +51,11 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from .drafter_folder import check_drafter_folder
 from .fileio import cache_dir, discard, path_inside, set_ordinary_mode
 from .gguf_chunks import ChunkedGGUF, installed_version, package_folder, sha256_of
 from .runtime import resolve_dtype
-from .special_tokens import first_token_id, token_ids
-from .target.support import check_built_for, check_target_config
+from .special_tokens import configure_generation
+from .target.support import check_target_config
 
 MARKER_FILE = "dflash_hf_cache.json"
 CACHE_FORMAT = 1
@@ -231,34 +230,6 @@ TARGETS: dict[str, TargetSpec] = {
 """Named targets accepted by [`load_target`]."""
 
 
-def bundled_drafter_dir(target_name: str) -> Path:
-    """Folder of the drafter shipped inside the package for a named target (it may not exist)."""
-    return Path(__file__).resolve().parent / "bundled" / f"dflash-{target_name}"
-
-
-def resolve_drafter_dir(target: str, drafter: Path | None) -> Path:
-    """The drafter folder to use: `drafter` when given, else the one bundled for the named `target`.
-
-    Raises a `ValueError` naming the fix when the folder holds no drafter, or one whose files fail
-    [`drafter_folder.check_drafter_folder`].
-    """
-    if drafter is not None:
-        if not (Path(drafter) / "config.json").is_file():
-            raise ValueError(
-                f"No DFlash drafter at {drafter} (no config.json): pass --drafter PATH to a folder saved with "
-                "DFlashDraftModel.save_pretrained."
-            )
-        check_drafter_folder(drafter)
-        return Path(drafter)
-    folder = bundled_drafter_dir(str(target))
-    if str(target) not in TARGETS or not (folder / "config.json").is_file():
-        raise ValueError(
-            f"No bundled drafter for target {target!r} in this installation ({folder} is missing): pass "
-            "--drafter PATH to a DFlash drafter folder."
-        )
-    return folder
-
-
 def _source_record(spec: TargetSpec) -> dict[str, str | None]:
     return {"distribution": spec.distribution, "version": spec.source_version()}
 
@@ -395,24 +366,6 @@ def is_hub_id(name: str | os.PathLike) -> bool:
     return True
 
 
-def configure_generation(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
-    """Make `model.generation_config` usable as is: every EOS id the model or tokenizer declares, and a pad id.
-
-    The pad id is the tokenizer's pad token, else the first EOS id; the tokenizer gets the same pad token.
-    """
-    generation_config = model.generation_config
-    eos_ids = token_ids(generation_config.eos_token_id, model.config.eos_token_id, tokenizer.eos_token_id)
-    if eos_ids:
-        generation_config.eos_token_id = eos_ids[0] if len(eos_ids) == 1 else eos_ids
-    pad_id = first_token_id(tokenizer.pad_token_id, generation_config.pad_token_id, eos_ids)
-    if pad_id is not None:
-        generation_config.pad_token_id = int(pad_id)
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.convert_ids_to_tokens(int(pad_id))
-    if generation_config.bos_token_id is None and tokenizer.bos_token_id is not None:
-        generation_config.bos_token_id = int(tokenizer.bos_token_id)
-
-
 def _target_source(name_or_path: str | os.PathLike, rebuild: bool = False, progress: bool = True) -> str:
     """The folder (or Hub id) a target loads from: a named target's verified cache (built when needed, with a
     progress bar unless `progress` is false), or the folder or Hub id given; a `ValueError` for anything else."""
@@ -481,13 +434,3 @@ def load_target(
     model.eval()
     configure_generation(model, tokenizer)
     return model, tokenizer
-
-
-def load_drafter(drafter_dir: str | os.PathLike, target: PreTrainedModel):
-    """The DFlash drafter of `drafter_dir` in `target`'s dtype on its device, in eval mode; a `ValueError` naming the
-    problem when it was built for another target (`target.support.check_built_for`)."""
-    from .modeling import DFlashDraftModel
-
-    drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=target.dtype).to(target.device).eval()
-    check_built_for(drafter.config, target)
-    return drafter

@@ -16,7 +16,7 @@ from dflash_hf.trainers import DFlashTrainer, DFlashTrainingConfig, accepted_dra
 from testing_utils import COMPARE
 
 import dflash_hf
-from dflash_hf import cli, fileio, targets
+from dflash_hf import cli, drafters, fileio, targets
 from dflash_hf.data.prompts import encode_prompt
 from dflash_hf.target import row_exact
 
@@ -32,7 +32,7 @@ BUNDLED_FOR = {
 @pytest.mark.parametrize("name", BUNDLED_FOR)
 def test_bundled_folder_ships_the_current_remote_code(name):
     """A Hub folder carries its own copy of modeling/; the bundled one must be re-exported when modeling/ changes."""
-    bundled = targets.bundled_drafter_dir(name)
+    bundled = drafters.bundled_drafter_dir(name)
     source = Path(dflash_hf.modeling.__file__).parent
     for file in ("configuration_dflash.py", "modeling_dflash.py"):
         assert (bundled / file).read_text() == (source / file).read_text(), (
@@ -42,7 +42,7 @@ def test_bundled_folder_ships_the_current_remote_code(name):
 
 @pytest.mark.parametrize("name", BUNDLED_FOR)
 def test_bundled_drafter_loads_strictly_in_bf16(name):
-    bundled = targets.bundled_drafter_dir(name)
+    bundled = drafters.bundled_drafter_dir(name)
     drafter = dflash_hf.DFlashDraftModel.from_pretrained(bundled)
     model_type, layers, _ = BUNDLED_FOR[name]
     assert drafter.dtype == torch.bfloat16
@@ -99,7 +99,7 @@ def test_both_generation_paths_match_greedy_on_the_real_target(real_target):
     from transformers import AutoModel
 
     name, target, tokenizer = real_target
-    bundled = targets.bundled_drafter_dir(name)
+    bundled = drafters.bundled_drafter_dir(name)
     drafter = AutoModel.from_pretrained(bundled, trust_remote_code=True, dtype=torch.float32)
     for prompt in PROMPTS:
         _assert_both_paths_match_greedy(target, drafter, torch.tensor([encode_prompt(tokenizer, prompt)]), 32)
@@ -114,7 +114,7 @@ def test_gemma_past_its_sliding_window_on_the_real_target(real_target):
     text = " ".join(f"Step {i}: add {i} to the running total and write the total down." for i in range(60))
     ids = torch.tensor([encode_prompt(tokenizer, text)])
     assert ids.shape[1] > window
-    drafter = dflash_hf.DFlashDraftModel.from_pretrained(targets.bundled_drafter_dir(name), dtype=torch.float32)
+    drafter = dflash_hf.DFlashDraftModel.from_pretrained(drafters.bundled_drafter_dir(name), dtype=torch.float32)
     _assert_both_paths_match_greedy(target, drafter, ids, 24)
 
 
@@ -128,7 +128,7 @@ def test_bf16_engine_with_the_lookup_branch_on_the_real_target(real_target):
     ids = torch.tensor([encode_prompt(tokenizer, text)])
     assert ids.shape[1] > (getattr(target.config, "sliding_window", None) or 0)
     greedy = target.generate(ids, max_new_tokens=24, do_sample=False)
-    drafter = dflash_hf.DFlashDraftModel.from_pretrained(targets.bundled_drafter_dir(name))  # stored in bf16
+    drafter = dflash_hf.DFlashDraftModel.from_pretrained(drafters.bundled_drafter_dir(name))  # stored in bf16
     out = dflash_hf.generate(target, drafter, ids, max_new_tokens=24, block_size=4, return_dict_in_generate=True)
     if not row_exact.install(target, 4):
         pytest.skip(f"this CPU's bf16 kernels cannot be made row-exact for {name} (install says so)")
@@ -141,7 +141,7 @@ def test_bundled_drafter_exports_release_ready_folders(real_target, layout, tmp_
     """`dflash-hf export` of each bundled drafter in every layout its serving engines read is a folder
     `dflash-hf push --dry-run` accepts; speculators refuses Gemma (scaled embeddings, softcapping) with a reason."""
     name, target, _ = real_target
-    drafter = dflash_hf.DFlashDraftModel.from_pretrained(targets.bundled_drafter_dir(name))
+    drafter = dflash_hf.DFlashDraftModel.from_pretrained(drafters.bundled_drafter_dir(name))
     base_model = BUNDLED_FOR[name][2]
     if layout == "speculators" and target.config.model_type.startswith("gemma"):
         with pytest.raises(ValueError, match="speculators"):
@@ -158,7 +158,7 @@ def test_trainer_evaluation_predicts_what_the_engine_accepts(real_target, tmp_pa
     trainer's evaluation forward (all anchors of the row at once under the sparse block mask) predicts exactly the
     number of drafts the engine accepts there, so context, positions and masks agree between training and inference."""
     name, target, tokenizer = real_target
-    drafter = dflash_hf.DFlashDraftModel.from_pretrained(targets.bundled_drafter_dir(name), dtype=torch.float32)
+    drafter = dflash_hf.DFlashDraftModel.from_pretrained(drafters.bundled_drafter_dir(name), dtype=torch.float32)
     ids = torch.tensor([encode_prompt(tokenizer, PROMPTS[1])])
     prompt_length = ids.shape[1]
     row = target.generate(ids, max_new_tokens=48, do_sample=False)

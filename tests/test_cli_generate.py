@@ -10,7 +10,7 @@ import torch
 from testing_utils import COMPARE, SUMMARY, make_llama, save_tiny_target
 from transformers import AutoTokenizer
 
-from dflash_hf import DFlashConfig, DFlashDraftModel, cli, fileio, precision, runtime, targets
+from dflash_hf import DFlashConfig, DFlashDraftModel, cli, drafters, fileio, precision, runtime, targets
 
 
 @pytest.fixture(scope="module")
@@ -189,11 +189,11 @@ def test_defaults_use_named_target_and_bundled_drafter(monkeypatch, tmp_path, ca
     args = parser.parse_args(["generate", "hello"])
     assert args.target == targets.DEFAULT_TARGET == "smollm2-135m"
     assert args.drafter is None and not args.compare and args.max_new_tokens > 0
-    assert targets.bundled_drafter_dir("smollm2-135m").parts[-2:] == ("bundled", "dflash-smollm2-135m")
+    assert drafters.bundled_drafter_dir("smollm2-135m").parts[-2:] == ("bundled", "dflash-smollm2-135m")
 
     # without a bundled drafter the command stops before loading anything, with one error line
     missing = tmp_path / "bundled" / "dflash-smollm2-135m"
-    monkeypatch.setattr(targets, "bundled_drafter_dir", lambda name: missing)
+    monkeypatch.setattr(drafters, "bundled_drafter_dir", lambda name: missing)
     monkeypatch.setattr(targets, "load_target", lambda *a, **k: pytest.fail("target must not be loaded"))
     code, out, err = _run(capsys, "hello")
     assert code == 2 and out == []

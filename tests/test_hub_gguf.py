@@ -19,7 +19,8 @@ from testing_utils import make_drafter, make_target
 
 import dflash_hf
 from dflash_hf.cli import main as cli_main
-from dflash_hf.targets import TARGETS, TargetSpec, bundled_drafter_dir
+from dflash_hf.drafters import bundled_drafter_dir
+from dflash_hf.targets import TARGETS, TargetSpec
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 F32 = gguf.GGMLQuantizationType.F32

@@ -30,11 +30,12 @@ def load_models(
     """
     from transformers.utils import logging as hf_logging
 
+    from ..drafters import load_drafter
     from ..fileio import cache_dir
     from ..precision import measured_choice
     from ..runtime import inference_dtype
     from ..target import row_exact
-    from ..targets import load_drafter, load_target
+    from ..targets import load_target
 
     verify_tokens = max_block if verify_tokens is None else verify_tokens
     bars = hf_logging.is_progress_bar_enabled()
@@ -95,24 +96,9 @@ def add_tap_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def drafter_source(name: str | Path) -> str:
-    """`name` as a drafter to load: a local folder, once its files pass `check_drafter_folder`, or a Hub id; a
-    `ValueError` for a name that is neither."""
-    from ..drafter_folder import check_drafter_folder
-    from ..targets import is_hub_id
-
-    if Path(name).exists():
-        check_drafter_folder(name)
-    elif not is_hub_id(name):
-        raise ValueError(
-            f"No drafter folder at {name}, and {str(name)!r} is no Hub id (org/name): pass a folder saved by "
-            "`dflash-hf train` (or `DFlashDraftModel.save_pretrained`), or the Hub id of a drafter."
-        )
-    return str(name)
-
-
 def target_layer_ids_of(args: argparse.Namespace, target) -> list[int]:
     """The tapped layers asked for by [`add_tap_arguments`]' flags: explicit ids, a drafter's, or spread ones."""
+    from ..drafters import drafter_source
     from ..modeling import DFlashConfig, default_target_layer_ids
 
     if args.drafter:

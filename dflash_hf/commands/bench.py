@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 
 from .. import bench
+from ..drafters import load_drafter, resolve_drafter_dir
 from ..engine.checks import MAX_LOOKUP_TOKENS
 from ..modeling import DFlashConfig
-from ..targets import load_drafter, resolve_drafter_dir
 from . import (
     add_cpu_arguments,
     add_model_arguments,

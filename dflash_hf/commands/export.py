@@ -8,12 +8,12 @@ from typing import Any
 
 from ..bench.report import card_metrics
 from ..bench.run import BENCH_FORMAT
+from ..drafters import drafter_source
 from ..fileio import read_json
 from ..hub.export import EXPORT_FORMATS, export
 from ..hub.gguf import GGUF_TYPES
 from ..hub_cards import normalize_metrics
 from ..modeling import DFlashDraftModel
-from . import drafter_source
 
 
 def _read_json(path: Path | None) -> Any:

@@ -19,13 +19,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
 
 from .. import mkl_choice
 from ..data.prompts import encode_prompt
+from ..drafters import resolve_drafter_dir
 from ..engine.acceptance import DEFAULT_SAMPLING_PROPOSAL, SAMPLING_PROPOSALS
 from ..engine.checks import MAX_LOOKUP_TOKENS, check_context_length
 from ..engine.generation import generate
 from ..engine.tree import CANDIDATE_SOURCES, DEFAULT_CANDIDATES, verify_width
 from ..modeling import DFlashConfig
 from ..runtime import Stopwatch, mkl_mode
-from ..targets import resolve_drafter_dir
 from . import add_cpu_arguments, add_model_arguments, device_of, load_models, setup_cpu
 
 T = TypeVar("T")

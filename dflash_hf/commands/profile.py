@@ -18,8 +18,8 @@ import torch
 from .. import mkl_choice, runtime
 from ..bench.profile import DEFAULT_TOKEN_COUNTS, measure_costs, plot_profiles
 from ..bench.run import hardware_info
+from ..drafters import resolve_drafter_dir
 from ..fileio import atomic_write, atomic_write_text
-from ..targets import resolve_drafter_dir
 from . import add_cpu_arguments, add_model_arguments, comma_separated_ints, device_of, load_models, setup_cpu
 
 

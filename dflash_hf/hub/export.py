@@ -144,6 +144,33 @@ def _write_atomically(out_dir: Path, overwrite: bool, write: Callable[[Path], No
     atomic_write_folder(out_dir, write)
 
 
+def _check_arguments(drafter: DFlashDraftModel, format: str, gguf_type: str | None) -> None:
+    """Raise a `ValueError` for an unknown format, a drafter that is no DFlash drafter, or a `gguf_type` given to a
+    format other than GGUF."""
+    if format not in EXPORT_FORMATS:
+        raise ValueError(f"Unknown export format {format!r}; choose one of {', '.join(EXPORT_FORMATS)}.")
+    if getattr(drafter.config, "model_type", None) != DFlashConfig.model_type:
+        raise ValueError(f"`export` writes DFlash drafters (`DFlashDraftModel`), got {type(drafter).__name__}.")
+    if gguf_type is not None and format != "gguf":
+        raise ValueError(
+            f"gguf_type (`--gguf-type`) {gguf_type!r} applies to format='gguf' only, not to {format!r}, whose weights "
+            "keep the drafter's dtype: drop it, or export with format='gguf' (`--format gguf`)."
+        )
+
+
+def _base_model(base_model: str | None, target_name: str) -> str:
+    """The card's `base_model`: the one given, else the target's name when that is no local path; a `ValueError`
+    unless it is a Hub id."""
+    if base_model is None and target_name and not os.path.exists(target_name):
+        base_model = target_name
+    if base_model is None or not is_hub_id(base_model):
+        raise ValueError(
+            f"Cannot tell the target's Hub id from {base_model or target_name or 'the target'!r} (the card's "
+            "`base_model`): pass base_model='org/name' (`--base-model org/name`)."
+        )
+    return base_model
+
+
 def export(
     drafter: DFlashDraftModel,
     out_dir: str | os.PathLike,
@@ -186,15 +213,7 @@ def export(
     Returns:
         The path of the written folder.
     """
-    if format not in EXPORT_FORMATS:
-        raise ValueError(f"Unknown export format {format!r}; choose one of {', '.join(EXPORT_FORMATS)}.")
-    if getattr(drafter.config, "model_type", None) != DFlashConfig.model_type:
-        raise ValueError(f"`export` writes DFlash drafters (`DFlashDraftModel`), got {type(drafter).__name__}.")
-    if gguf_type is not None and format != "gguf":
-        raise ValueError(
-            f"gguf_type (`--gguf-type`) {gguf_type!r} applies to format='gguf' only, not to {format!r}, whose weights "
-            "keep the drafter's dtype: drop it, or export with format='gguf' (`--format gguf`)."
-        )
+    _check_arguments(drafter, format, gguf_type)
     if format == "gguf":
         return write_gguf(
             drafter, out_dir, target=target, gguf_type="f32" if gguf_type is None else gguf_type, overwrite=overwrite
@@ -206,13 +225,7 @@ def export(
     _check_pairing(drafter, target, text_config)
     if format == "speculators":
         check_speculators_target(drafter.config, target)
-    if base_model is None and target_name and not os.path.exists(target_name):
-        base_model = target_name
-    if base_model is None or not is_hub_id(base_model):
-        raise ValueError(
-            f"Cannot tell the target's Hub id from {base_model or target_name or 'the target'!r} (the card's "
-            "`base_model`): pass base_model='org/name' (`--base-model org/name`)."
-        )
+    base_model = _base_model(base_model, target_name)
     card = render_model_card(
         drafter.config,
         base_model=base_model,

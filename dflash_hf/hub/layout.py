@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..drafter_folder import CONFIG_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+from ..drafters import CONFIG_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 from ..fileio import read_json
 from ..modeling import DFlashConfig, DFlashDraftModel
 from .official import OFFICIAL_ARCHITECTURE, OFFICIAL_AUTO_MAP, OFFICIAL_MODEL_TYPE, OFFICIAL_MODELING_FILE

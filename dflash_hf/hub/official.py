@@ -21,6 +21,7 @@ from typing import Any
 
 import transformers
 
+from ..drafters import DRAFT_LAYER_SIZES
 from ..modeling import DFlashConfig
 from ..modeling.configuration_dflash import markov_head_type
 
@@ -33,12 +34,7 @@ OFFICIAL_AUTO_MAP = {"AutoModel": f"{OFFICIAL_MODELING_FILE.removesuffix('.py')}
 # Draft-layer fields shared verbatim by `DFlashConfig` and a Qwen3 config (the official layout's config, and the
 # `transformer_layer_config` of the speculators layout).
 DRAFT_LAYER_KEYS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
+    *DRAFT_LAYER_SIZES,
     "hidden_act",
     "rms_norm_eps",
     "max_position_embeddings",

@@ -18,7 +18,7 @@ from huggingface_hub import HfApi, get_token, is_offline_mode, metadata_load
 from safetensors import SafetensorError, safe_open
 from transformers.utils import logging as transformers_logging
 
-from ..drafter_folder import CONFIG_NAME, check_weights, read_config_dict, weight_files
+from ..drafters import CONFIG_NAME, check_weights, read_config_dict, weight_files
 from ..fileio import PICKLE_SUFFIXES
 from ..modeling import DFlashDraftModel
 from .layout import format_of, layout_problems

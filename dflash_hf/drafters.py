@@ -1,7 +1,11 @@
-"""Checks of a drafter folder's files, run before Transformers reads them: a damaged or hostile folder ends in a
-`ValueError` naming the file and the fix, not in a traceback, a read outside the folder or a silent cast.
+"""The home of drafter folders: the drafters bundled with the package, resolving a `--drafter` argument to a folder
+(or a Hub id), the checks of a folder's files, and loading a drafter for a target.
+
+The checks run before Transformers reads a folder: a damaged or hostile folder ends in a `ValueError` naming the file
+and the fix, not in a traceback, a read outside the folder or a silent cast.
 
     >>> check_drafter_folder("out/my-drafter")  # config.json and weights of any export layout
+    >>> drafter = load_drafter(resolve_drafter_dir("smollm2-135m", None), target)  # the bundled drafter
 """
 
 from __future__ import annotations
@@ -12,23 +16,31 @@ from pathlib import Path
 from typing import Any
 
 from safetensors import SafetensorError, safe_open
+from transformers import PreTrainedModel
 
 from .fileio import path_inside, read_json
+from .modeling import DFlashDraftModel
+from .target.support import check_built_for
+from .targets import TARGETS, is_hub_id
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 
-# sizes and ids of every layout's config (also nested: `dflash_config`, speculators' `transformer_layer_config`)
-INTEGER_FIELDS = (
-    "vocab_size",
-    "draft_vocab_size",
+# the draft layers' sizes, under the same names in every layout's config
+DRAFT_LAYER_SIZES = (
     "hidden_size",
     "intermediate_size",
     "num_hidden_layers",
     "num_attention_heads",
     "num_key_value_heads",
     "head_dim",
+)
+# sizes and ids of every layout's config (also nested: `dflash_config`, speculators' `transformer_layer_config`)
+INTEGER_FIELDS = (
+    "vocab_size",
+    "draft_vocab_size",
+    *DRAFT_LAYER_SIZES,
     "max_position_embeddings",
     "block_size",
     "num_target_layers",
@@ -116,4 +128,62 @@ def check_drafter_folder(folder: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
-__all__ = ["check_drafter_folder", "check_weights", "read_config_dict", "weight_files"]
+def bundled_drafter_dir(target_name: str) -> Path:
+    """Folder of the drafter shipped inside the package for a named target (it may not exist)."""
+    return Path(__file__).resolve().parent / "bundled" / f"dflash-{target_name}"
+
+
+def resolve_drafter_dir(target: str, drafter: Path | None) -> Path:
+    """The drafter folder to use: `drafter` when given, else the one bundled for the named `target`.
+
+    Raises a `ValueError` naming the fix when the folder holds no drafter, or one whose files fail
+    [`check_drafter_folder`].
+    """
+    if drafter is not None:
+        if not (Path(drafter) / "config.json").is_file():
+            raise ValueError(
+                f"No DFlash drafter at {drafter} (no config.json): pass --drafter PATH to a folder saved with "
+                "DFlashDraftModel.save_pretrained."
+            )
+        check_drafter_folder(drafter)
+        return Path(drafter)
+    folder = bundled_drafter_dir(str(target))
+    if str(target) not in TARGETS or not (folder / "config.json").is_file():
+        raise ValueError(
+            f"No bundled drafter for target {target!r} in this installation ({folder} is missing): pass "
+            "--drafter PATH to a DFlash drafter folder."
+        )
+    return folder
+
+
+def drafter_source(name: str | Path) -> str:
+    """`name` as a drafter to load: a local folder, once its files pass [`check_drafter_folder`], or a Hub id; a
+    `ValueError` for a name that is neither."""
+    if Path(name).exists():
+        check_drafter_folder(name)
+    elif not is_hub_id(name):
+        raise ValueError(
+            f"No drafter folder at {name}, and {str(name)!r} is no Hub id (org/name): pass a folder saved by "
+            "`dflash-hf train` (or `DFlashDraftModel.save_pretrained`), or the Hub id of a drafter."
+        )
+    return str(name)
+
+
+def load_drafter(drafter_dir: str | os.PathLike, target: PreTrainedModel) -> DFlashDraftModel:
+    """The DFlash drafter of `drafter_dir` in `target`'s dtype on its device, in eval mode; a `ValueError` naming the
+    problem when it was built for another target (`target.support.check_built_for`)."""
+    drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=target.dtype).to(target.device).eval()
+    check_built_for(drafter.config, target)
+    return drafter
+
+
+__all__ = [
+    "bundled_drafter_dir",
+    "check_drafter_folder",
+    "check_weights",
+    "drafter_source",
+    "load_drafter",
+    "read_config_dict",
+    "resolve_drafter_dir",
+    "weight_files",
+]
