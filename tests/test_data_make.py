@@ -15,6 +15,7 @@ import dflash_hf.data.prompts as prompts_mod
 from dflash_hf.cli import main as cli_main
 from dflash_hf.data.features import OfflineFeatureDataset, cache_features, read_index
 from dflash_hf.data.make import load_training_data, make_data
+from dflash_hf.data.parts import part_files
 from dflash_hf.data.prompts import iter_json_array, load_prompts, split_of
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -163,7 +164,7 @@ def test_parts_are_gzipped_byte_stable_and_older_plain_parts_still_resume(target
         part.unlink()
     resumed = make_data(target, tok, tmp_path / "old", **kwargs)
     assert resumed["counts"]["generated_this_run"] == full["counts"]["samples"] - 4 == again["counts"]["samples"] - 4
-    names = [p.name for p in data_mod.part_files(old)]
+    names = [p.name for p in part_files(old)]
     assert names[:2] == ["part-000000.jsonl", "part-000001.jsonl"] and all(n.endswith(".gz") for n in names[2:])
     a, b = load_training_data(tmp_path / "full"), load_training_data(tmp_path / "old")
     assert list(b["id"])[:4] == list(a["id"])[:4]
@@ -233,6 +234,22 @@ def test_teacher_forced_data_keeps_the_source_replies(target, tmp_path, monkeypa
         make_data(target, tok, tmp_path / "tf", source=str(src), max_new_tokens=16, held_out_fraction=0.0)
     with pytest.raises(ValueError, match="responses must be one of"):
         make_data(target, tok, tmp_path / "x", source=str(src), responses="sampled", progress=False)
+
+
+def test_a_run_with_no_row_to_make_writes_nothing(target, tmp_path):
+    """A source whose prompts all lack a reply (`responses="source"`) or are too long makes no row: the manifest it
+    returns says why, and nothing is written (no empty dataset, no folder)."""
+    tok = make_tokenizer()
+    src = tmp_path / "prompts-only.jsonl"
+    src.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
+    kwargs = dict(source=str(src), max_new_tokens=8, held_out_fraction=0.0, progress=False)
+    no_reply = make_data(
+        target, tok, tmp_path / "tf", responses="source", features_dir=tmp_path / "f", target_layer_ids=[1, 3], **kwargs
+    )
+    assert no_reply["counts"]["samples"] == 0 and no_reply["counts"]["skipped_without_reply"] == len(PROMPTS)
+    too_long = make_data(target, tok, tmp_path / "long", max_prompt_tokens=1, **kwargs)
+    assert too_long["counts"]["samples"] == 0 and too_long["counts"]["skipped_long_prompts"] == len(PROMPTS)
+    assert sorted(tmp_path.iterdir()) == [src]
 
 
 def test_reply_of_reads_the_turn_after_the_prompt():

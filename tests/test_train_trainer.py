@@ -119,7 +119,7 @@ def test_offline_features_of_several_data_folders(tiny_data, tmp_path):
 
 def test_cache_features_resumes(tiny_data, tmp_path, monkeypatch):
     target, _, data = tiny_data
-    import dflash_hf.data.features as features
+    import dflash_hf.data.feature_shards as features
 
     calls = {"n": 0}
     real = features.save_file

@@ -24,7 +24,9 @@ import torch
 from transformers import PreTrainedModel
 
 from ..target.adapter import TargetAdapter
-from .features import ShardWriter, features_of_batch, open_index, settings_of
+from .feature_index import next_row, settings_of
+from .feature_shards import ShardWriter, open_index
+from .features import features_of_batch
 
 
 class FeatureRecorder:
@@ -60,7 +62,7 @@ class FeatureRecorder:
         written (a run killed between the two) are dropped, so features and parts stay aligned."""
         self.out.mkdir(parents=True, exist_ok=True)
         index = open_index(self.out, {**self.settings, "num_rows": len(done)}, done, drop_extra_rows=True)
-        covered = index["shards"][-1]["end"] if index["shards"] else 0
+        covered = next_row(index)
         if covered != len(done):
             raise ValueError(
                 f"{self.out} holds features for {covered} of the {len(done)} rows already made (the folder was started "

@@ -5,30 +5,17 @@ The drafter must predict the *target*, not the dataset, so only the prompts are 
 With `responses="source"` (teacher-forced data) the source's own replies are kept instead: no generation at all, for
 training with distillation (`distill_weight`), where the target's distribution at every position is the label.
 
-Output folder:
-
-    OUT/
-        dataset/          # `datasets.load_from_disk`: id, input_ids, loss_mask (1 on response tokens), prompt_length
-        manifest.json     # target, source, counts, settings, held-out ids
-        held_out.jsonl    # held-out prompts (id, prompt) for evaluation
-        parts/            # one gzipped JSONL per finished batch (append-only: kept for resuming and growing the set,
-                          # small enough to keep in a repository; plain .jsonl parts of older folders are read too)
-
-Resumable: each finished batch is written to `parts/` atomically (temporary name + rename). A rerun with the same
-settings skips every id already in a part and continues; a batch interrupted mid-way is simply generated again.
-`dataset/` and `manifest.json` are rebuilt from the parts at the end of every run, also atomically.
+The rows go into a make-data folder ([`dflash_hf.data.make_folder`]), each finished batch as one part
+([`dflash_hf.data.parts`]). Resumable: a rerun with the same settings skips every id already in a part and continues;
+a batch interrupted mid-way is simply generated again. A run with no row to make writes nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gzip
 import itertools
-import json
 import os
-import re
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -37,17 +24,45 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..fileio import atomic_write, atomic_write_folder, atomic_write_text, read_json, remove_leftovers
 from ..special_tokens import first_token_id, token_ids
 from .batching import pad
 from .capture import FeatureRecorder
-from .prompts import DEFAULT_SOURCE, MANIFEST_NAME, PROMPT_ORDERS, Prompt, encode_prompt, load_prompts, ordered
+from .make_folder import (
+    check_output_folder,
+    folder_settings,
+    load_training_data,
+    made_rows,
+    manifest_of,
+    publish,
+    read_manifest,
+    start_parts,
+)
+from .parts import next_part_number, part_path, write_part
+from .pending import Chunk, encoded_prompts, length_sorted_chunks, nonempty
+from .prompts import DEFAULT_SOURCE, PROMPT_ORDERS, Prompt, load_prompts, ordered
 from .server import ServerResponder
 
-SETTINGS_NAME = "settings.json"
-
+# the make-data folder's readers are imported from here too
+__all__ = [
+    "RESPONSE_MODES",
+    "check_output_folder",
+    "end_ids",
+    "load_training_data",
+    "make_data",
+    "read_manifest",
+    "regenerate",
+    "source_response",
+]
 
 RESPONSE_MODES = ("regenerate", "source")
+
+Respond = Callable[[list[Chunk]], Iterator[list[list[int]]]]
+"""Yields the response tokens of each chunk in turn."""
+
+
+def end_ids(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The target's EOS ids (its generation config's, else the tokenizer's)."""
+    return token_ids(target.generation_config.eos_token_id, getattr(tokenizer, "eos_token_id", None))
 
 
 def source_response(
@@ -66,7 +81,7 @@ def regenerate(
     target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], max_new_tokens: int
 ) -> list[list[int]]:
     """Greedy responses of the target for a batch of tokenised prompts (left-padded), each cut after its first EOS."""
-    eos = token_ids(target.generation_config.eos_token_id, getattr(tokenizer, "eos_token_id", None))
+    eos = end_ids(target, tokenizer)
     pad_id = first_token_id(tokenizer.pad_token_id, target.generation_config.pad_token_id, eos)
     pad_id = 0 if pad_id is None else pad_id
     device = next(target.parameters()).device
@@ -87,268 +102,9 @@ def regenerate(
     )
     responses = []
     for row in out[:, width:].tolist():
-        cut = len(row)
-        for i, tok in enumerate(row):
-            if tok in eos:
-                cut = i + 1
-                break
+        cut = next((i + 1 for i, tok in enumerate(row) if tok in eos), len(row))
         responses.append(row[:cut])
     return responses
-
-
-# ------------------------------------------------------------------ work folder
-def check_output_folder(path: str | os.PathLike, flag: str = "--out") -> None:
-    """Raise a `ValueError` when `path`, or the nearest part of it that exists, is not a folder."""
-    existing = Path(path)
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ValueError(f"{flag} {path}: {existing} is a file, not a folder; pass a folder to create or resume.")
-
-
-def part_files(parts_dir: Path) -> list[Path]:
-    """The finished parts of a make-data folder in order: `part-NNNNNN.jsonl.gz`, or plain `.jsonl` (older folders)."""
-    return sorted([*parts_dir.glob("part-*.jsonl.gz"), *parts_dir.glob("part-*.jsonl")], key=lambda path: path.name)
-
-
-# how to recover from a part that cannot be resumed
-_PART_FIX = (
-    "move it out of the parts folder and rerun make-data with the same settings (parts are append-only: the rerun "
-    "makes its rows again), or pass a new --out folder."
-)
-
-
-def read_parts(parts_dir: Path, vocab_size: int | None = None) -> list[dict]:
-    """The records of every finished part, in part order; a `ValueError` naming the part when one is damaged or (with
-    `vocab_size`, the target's) holds token ids outside the target's vocabulary."""
-    records = []
-    for part in part_files(parts_dir):
-        records.extend(_part_record(part, line_no, line, vocab_size) for line_no, line in _part_lines(part))
-    return records
-
-
-def _part_lines(part: Path) -> list[tuple[int, str]]:
-    """The non-blank lines of a part file with their numbers; a `ValueError` naming it when it cannot be read."""
-    try:
-        with (gzip.open if part.suffix == ".gz" else open)(part, "rt", encoding="utf-8") as fh:
-            lines = list(fh)
-    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as err:  # truncated, not gzip, not UTF-8
-        raise ValueError(f"{part} cannot be read ({err}): the part is damaged; {_PART_FIX}") from err
-    return [(line_no, line) for line_no, line in enumerate(lines, start=1) if line.strip()]
-
-
-def _part_record(part: Path, line_no: int, line: str, vocab_size: int | None) -> dict:
-    """The record on line `line_no` of `part`, once it is a make-data row of the target's vocabulary `vocab_size`."""
-    try:
-        record = json.loads(line)
-    except (json.JSONDecodeError, RecursionError) as err:
-        raise ValueError(f"{part}:{line_no} is not valid JSON: the part is damaged; {_PART_FIX}") from err
-    problem = _record_problem(record, vocab_size)
-    if problem is not None:
-        raise ValueError(f"{part}:{line_no}: {problem}; {_PART_FIX}")
-    return record
-
-
-def _record_problem(record: Any, vocab_size: int | None) -> str | None:
-    """What keeps `record` from being a make-data row (`id`, `input_ids` of the vocabulary `vocab_size`,
-    `prompt_length` within them), or `None`."""
-    if not isinstance(record, dict):
-        return f"the record is a JSON {type(record).__name__}, not an object (the part is damaged)"
-    if not isinstance(record.get("id"), str):
-        return "the record has no string `id` (the part is damaged)"
-    ids = record.get("input_ids")
-    if not isinstance(ids, list) or not set(map(type, ids)) <= {int}:
-        return f"record {record['id']!r} has no `input_ids` list of token ids (the part is damaged)"
-    length = record.get("prompt_length")
-    if type(length) is not int or not 0 <= length <= len(ids):
-        return f"record {record['id']!r} has no `prompt_length` in 0..{len(ids)} (the part is damaged)"
-    low, high = min(ids, default=0), max(ids, default=0)
-    if low < 0 or (vocab_size is not None and high >= vocab_size):
-        vocabulary = (
-            "token ids are never negative" if low < 0 else f"its {vocab_size} token ids are 0..{vocab_size - 1}"
-        )
-        return (
-            f"record {record['id']!r} holds token id {low if low < 0 else high}, outside the target's vocabulary "
-            f"({vocabulary}): the part was made with another target"
-        )
-    return None
-
-
-def next_part_number(parts_dir: Path) -> int:
-    """The number after the highest finished part's (a missing part's number is never given again)."""
-    numbers = [int(match.group(1)) for part in part_files(parts_dir) if (match := re.match(r"part-(\d+)\.", part.name))]
-    return max(numbers, default=-1) + 1
-
-
-def write_part(path: Path, records: list[dict]) -> None:
-    """Write one finished part atomically, gzipped with a fixed header (the same records give the same bytes); parts
-    are append-only, so an existing part is never replaced."""
-    if path.exists() or path.is_symlink():
-        raise ValueError(f"{path} exists: make-data parts are append-only and never rewritten; move it away to retry.")
-    data = "".join(json.dumps(r) + "\n" for r in records).encode("utf-8")
-    atomic_write(path, lambda temporary: temporary.write_bytes(gzip.compress(data, mtime=0)))
-
-
-def _compared(key: str, value: Any) -> Any:
-    """A recorded setting as resuming compares it: a `source` or `target` naming an existing path is resolved, so the
-    same file or folder named by an absolute or a relative path is the same setting (`sharegpt` stays a name)."""
-    if key in ("source", "target") and isinstance(value, str) and value != DEFAULT_SOURCE and Path(value).exists():
-        return Path(value).resolve()
-    return value
-
-
-def _check_settings(out: Path, settings: dict) -> None:
-    """Record the settings of a new folder; refuse to resume one that was started with other settings."""
-    path = out / "parts" / SETTINGS_NAME
-    if path.is_file():
-        fix = f"move it away and rerun make-data with the settings that started {out} (it records them again)."
-        old = read_json(path, fix)
-        if not isinstance(old, dict):
-            raise ValueError(f"{path} holds a JSON {type(old).__name__}, not the settings make-data records: {fix}")
-        keys = [*settings, *(k for k in old if k not in settings)]  # a setting recorded only when set counts too
-        diff = {
-            k: (old.get(k), settings.get(k)) for k in keys if _compared(k, old.get(k)) != _compared(k, settings.get(k))
-        }
-        if diff:
-            detail = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
-            raise ValueError(
-                f"{out} was started with other settings ({detail}); rerun with the same settings to resume, or pass "
-                "a new --out folder."
-            )
-    else:
-        atomic_write_text(path, json.dumps(settings, indent=1))
-
-
-def write_dataset(out: Path, records: list[dict]) -> None:
-    """(Re)build `OUT/dataset` from the part records, atomically."""
-    import datasets
-
-    rows = {
-        "id": [r["id"] for r in records],
-        "input_ids": [r["input_ids"] for r in records],
-        "loss_mask": [[0] * r["prompt_length"] + [1] * (len(r["input_ids"]) - r["prompt_length"]) for r in records],
-        "prompt_length": [r["prompt_length"] for r in records],
-    }
-    features = datasets.Features(
-        {
-            "id": datasets.Value("string"),
-            "input_ids": datasets.Sequence(datasets.Value("int32")),
-            "loss_mask": datasets.Sequence(datasets.Value("int8")),
-            "prompt_length": datasets.Value("int32"),
-        }
-    )
-    data = datasets.Dataset.from_dict(rows, features=features)
-    atomic_write_folder(out / "dataset", lambda staging: data.save_to_disk(str(staging)))
-
-
-def _encoded(
-    prompts: list[Prompt],
-    done_ids: set[str],
-    tokenizer: PreTrainedTokenizerBase,
-    use_chat_template: bool,
-    max_prompt_tokens: int,
-    skipped: dict[str, int],
-    need_reply: bool = False,
-) -> Iterator[tuple[Prompt, list[int]]]:
-    """The prompts not done yet with their token ids; longer prompts are skipped and counted in `skipped["long"]`,
-    with `need_reply` prompts without a source reply in `skipped["no_reply"]`."""
-    for prompt in prompts:
-        if prompt.id in done_ids:
-            continue
-        if need_reply and prompt.reply is None:
-            skipped["no_reply"] += 1
-            continue
-        ids = encode_prompt(tokenizer, prompt.text, use_chat_template, prompt.history)
-        if len(ids) > max_prompt_tokens:
-            skipped["long"] += 1
-            continue
-        yield prompt, ids
-
-
-Chunk = list[tuple[Prompt, list[int]]]
-"""The `(prompt, prompt ids)` pairs of one part."""
-
-
-def _write_parts(
-    respond: Callable[[list[Chunk]], Iterator[list[list[int]]]],
-    parts: Path,
-    encoded: Iterator[tuple[Prompt, list[int]]],
-    done: list[dict],
-    goal: int,
-    batch_size: int,
-    progress: bool,
-    recorder: FeatureRecorder | None = None,
-) -> int:
-    """Make responses batch by batch (`respond(batches)` yields each batch's in turn), each batch written as a new part
-    (after its features, with a `recorder`), until `done` holds `goal` records (or the prompts run out); returns how
-    many records were made."""
-    part_no = next_part_number(parts)
-    generated = 0
-    with tqdm(total=goal, initial=min(len(done), goal), desc="make-data", unit="sample", disable=not progress) as bar:
-        while len(done) < goal:
-            window = list(itertools.islice(encoded, batch_size * 8))
-            if not window:
-                break
-            window.sort(key=lambda item: len(item[1]))  # length-sorted batches waste less padding
-            chunks, remaining = [], goal - len(done)
-            for start in range(0, len(window), batch_size):
-                if remaining <= 0:
-                    break
-                chunks.append(window[start : start + min(batch_size, remaining)])
-                remaining -= len(chunks[-1])
-            with contextlib.closing(respond(chunks)) as answers:
-                for chunk, responses in zip(chunks, answers):
-                    records = [
-                        {"id": p.id, "input_ids": ids + resp, "prompt_length": len(ids)}
-                        for (p, ids), resp in zip(chunk, responses)
-                    ]
-                    if recorder is not None:  # features first: a part never exists without its features
-                        recorder.store(records, max(len(ids) for _, ids in chunk) if recorder.recorded else None)
-                    write_part(parts / f"part-{part_no:06d}.jsonl.gz", records)
-                    part_no += 1
-                    done.extend(records)
-                    generated += len(records)
-                    bar.update(len(records))
-    return generated
-
-
-def _responder(
-    target: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    responses: str,
-    max_new_tokens: int,
-    recorder: FeatureRecorder | None,
-    server: ServerResponder | None = None,
-) -> Callable[[list[Chunk]], Iterator[list[list[int]]]]:
-    """The response tokens of batches of `(prompt, prompt ids)`, yielded batch by batch: the target's greedy answers
-    (each batch generated when its turn comes, recorded by `recorder` when given), a `server`'s (every batch's
-    requests sent at once, `concurrency` in flight, so the server stays busy while a part is written), or the
-    source's replies."""
-    if server is not None:
-
-        def served(chunks: list[Chunk]) -> Iterator[list[list[int]]]:
-            answers = server.responses([ids for chunk in chunks for _, ids in chunk])
-            try:
-                for chunk in chunks:
-                    yield [next(answers) for _ in chunk]
-            finally:
-                answers.close()
-
-        return served
-    if responses == "source":
-        eos = token_ids(target.generation_config.eos_token_id, getattr(tokenizer, "eos_token_id", None))
-        end_id = eos[0] if eos else None
-        return lambda chunks: (
-            [source_response(tokenizer, p.reply, end_id, max_new_tokens) for p, _ in c] for c in chunks
-        )
-
-    def generated(chunks: list[Chunk]) -> Iterator[list[list[int]]]:
-        for chunk in chunks:
-            with recorder.recording() if recorder is not None else contextlib.nullcontext():
-                responses = regenerate(target, tokenizer, [ids for _, ids in chunk], max_new_tokens)
-            yield responses
-
-    return generated
 
 
 def make_data(
@@ -387,74 +143,40 @@ def make_data(
     stored there as the rows are made (`dflash_hf.data.capture`), in the format of `dflash-hf cache-features`. With a
     `server` ([`server.ServerResponder`]) the responses come from a running inference server serving the target
     (checked against it first); `target` then only describes it ([`targets.load_target_shell`])."""
-    # one sequence (check, read prompts and finished parts, make the missing rows, publish); the signature and the
-    # docstring are a third of its length
-    _check_arguments(responses, max_new_tokens, batch_size, max_samples, features_dir, target_layer_ids)
-    served = _check_server(server, target, responses, features_dir, max_new_tokens)  # before anything is written
+    _check_arguments(responses, max_new_tokens, batch_size, max_samples, prompt_order, features_dir, target_layer_ids)
+    vocab_size = target.config.get_text_config().vocab_size
+    served = _check_server(server, responses, features_dir, max_new_tokens, vocab_size)  # before anything is written
     if use_chat_template is None:
         use_chat_template = bool(getattr(tokenizer, "chat_template", None))
     check_output_folder(out_dir)
-    if prompt_order not in PROMPT_ORDERS:
-        raise ValueError(f"prompt_order must be one of {PROMPT_ORDERS}, got {prompt_order!r}.")
     train, held, counts = load_prompts(source, held_out_fraction, seed, turn)
     train = ordered(train, prompt_order)
     out = Path(out_dir)
-    (out / "parts").mkdir(parents=True, exist_ok=True)
-    settings = {
-        "target": target_name,
-        "target_model_type": getattr(target.config, "model_type", None),
-        "source": source,
-        "max_new_tokens": int(max_new_tokens),
-        "max_prompt_tokens": int(max_prompt_tokens),
-        "held_out_fraction": float(held_out_fraction),
-        "seed": int(seed),
-        "chat_template": bool(use_chat_template),
-        "decoding": "greedy" if responses == "regenerate" else "source replies (teacher-forced)",
-    }
-    if turn != 1:  # recorded only when set, so folders made before the option resume unchanged
-        settings["turn"] = int(turn)
-    if prompt_order != "source":
-        settings["prompt_order"] = prompt_order
-    if server is not None:  # a served model's greedy answers are its own (another engine, maybe quantized)
-        settings["responses_from"] = "server"
-    _check_settings(out, settings)
-    remove_leftovers(out / "parts", (".part-*.tmp",))  # of a part write that was killed
-    done = read_parts(out / "parts", target.config.get_text_config().vocab_size)
-    done_ids = {r["id"] for r in done}
+    settings = folder_settings(
+        target_name, getattr(target.config, "model_type", None), source, max_new_tokens, max_prompt_tokens,
+        held_out_fraction, seed, use_chat_template, responses, turn, prompt_order, server is not None,
+    )  # fmt: skip
+    done = made_rows(out, settings, vocab_size)
     skipped = {"long": 0, "no_reply": 0}
-    goal = len(train) if max_samples is None else min(max_samples, len(train))
-    encoded = _encoded(train, done_ids, tokenizer, use_chat_template, max_prompt_tokens, skipped, responses == "source")
-    recorder = None
-    if features_dir is not None:
-        max_length = max_prompt_tokens + max_new_tokens
-        recorder = FeatureRecorder(
-            target,
-            features_dir,
-            target_layer_ids,
-            max_length=max_length,
-            final_hidden=final_hidden,
-            target_name=target_name,
-        )
-        recorder.start(done)
+    done_ids = {r["id"] for r in done}
+    encoded = encoded_prompts(
+        train, done_ids, tokenizer, use_chat_template, max_prompt_tokens, skipped, responses == "source"
+    )
+    run = {"max_samples": max_samples, "batch_size": batch_size, "features_dir": features_dir and str(features_dir)}
+    run.update(served)
+    if not done and (encoded := nonempty(encoded)) is None:  # no row to make: nothing is written
+        return manifest_of(settings, run, counts, _run_counts(0, skipped, responses), [], held, seconds=0.0)
+    start_parts(out, settings)
+    recorder = _recorder(
+        target, features_dir, target_layer_ids, max_prompt_tokens + max_new_tokens, final_hidden, target_name, done
+    )
     started = time.time()
     respond = _responder(target, tokenizer, responses, max_new_tokens, recorder, server)
+    goal = len(train) if max_samples is None else min(max_samples, len(train))
     generated = _write_parts(respond, out / "parts", encoded, done, goal, batch_size, progress, recorder)
-
-    counts = {**counts, "generated_this_run": generated, "skipped_long_prompts": skipped["long"]}
-    if responses == "source":
-        counts["skipped_without_reply"] = skipped["no_reply"]
-    run_settings = {
-        "max_samples": max_samples,
-        "batch_size": batch_size,
-        "features_dir": features_dir and str(features_dir),
-        **({"server": {**served, "concurrency": server.concurrency}} if served is not None else {}),
-    }
-    manifest = _manifest(settings, run_settings, counts, done, held)
-    manifest["generation_seconds_this_run"] = round(time.time() - started, 2)
-    previous = read_manifest(out)
-    rebuild = generated == 0 and previous is not None and previous["counts"]["samples"] == len(done)
-    # a rebuild from the parts keeps the file's record of the run that made them (git stays clean)
-    _publish(out, done, held, previous if rebuild else manifest)
+    run_counts = _run_counts(generated, skipped, responses)
+    manifest = manifest_of(settings, run, counts, run_counts, done, held, seconds=time.time() - started)
+    publish(out, done, held, manifest, generated)
     return manifest
 
 
@@ -463,6 +185,7 @@ def _check_arguments(
     max_new_tokens: int,
     batch_size: int,
     max_samples: int | None,
+    prompt_order: str,
     features_dir: str | os.PathLike | None,
     target_layer_ids: list[int] | None,
 ) -> None:
@@ -475,89 +198,122 @@ def _check_arguments(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"max_samples must be >= 1, got {max_samples}.")
+    if prompt_order not in PROMPT_ORDERS:
+        raise ValueError(f"prompt_order must be one of {PROMPT_ORDERS}, got {prompt_order!r}.")
     if features_dir is not None and not target_layer_ids:
         raise ValueError("features_dir needs target_layer_ids (the target layers the drafter will tap).")
 
 
 def _check_server(
     server: ServerResponder | None,
-    target: PreTrainedModel,
     responses: str,
     features_dir: str | os.PathLike | None,
     max_new_tokens: int,
-) -> dict[str, Any] | None:
-    """What [`ServerResponder.check`] found of `server` (`None` without one), once it is known to serve this run: a
-    `ValueError` for options a server cannot honour or a responder built for other settings."""
+    vocab_size: int,
+) -> dict[str, Any]:
+    """The run settings of `server` (none without one): what [`ServerResponder.check_run`] found of it, once it can
+    serve this run, and its concurrency."""
     if server is None:
-        return None
+        return {}
     if responses != "regenerate" or features_dir is not None:
         raise ValueError(
             "A server regenerates responses only: drop --responses source and --features-out with --server."
         )
-    vocab_size = target.config.get_text_config().vocab_size
-    if (server.max_new_tokens, server.vocab_size) != (int(max_new_tokens), int(vocab_size)):
-        raise ValueError(
-            f"The server responder was built for max_new_tokens {server.max_new_tokens} and a vocabulary of "
-            f"{server.vocab_size}, this run has {max_new_tokens} and the target {vocab_size}: build it with the "
-            "run's values."
+    return {"server": {**server.check_run(max_new_tokens, vocab_size), "concurrency": server.concurrency}}
+
+
+def _run_counts(generated: int, skipped: dict[str, int], responses: str) -> dict[str, int]:
+    """What this run made and skipped, as a manifest counts it."""
+    counts = {"generated_this_run": generated, "skipped_long_prompts": skipped["long"]}
+    if responses == "source":
+        counts["skipped_without_reply"] = skipped["no_reply"]
+    return counts
+
+
+def _recorder(
+    target: PreTrainedModel,
+    features_dir: str | os.PathLike | None,
+    target_layer_ids: list[int] | None,
+    max_length: int,
+    final_hidden: bool,
+    target_name: str | None,
+    done: list[dict],
+) -> FeatureRecorder | None:
+    """The recorder of the features of the rows made (`None` without a `features_dir`), opened on the rows `done`."""
+    if features_dir is None:
+        return None
+    recorder = FeatureRecorder(
+        target,
+        features_dir,
+        target_layer_ids,
+        max_length=max_length,
+        final_hidden=final_hidden,
+        target_name=target_name,
+    )
+    recorder.start(done)
+    return recorder
+
+
+def _responder(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    responses: str,
+    max_new_tokens: int,
+    recorder: FeatureRecorder | None,
+    server: ServerResponder | None = None,
+) -> Respond:
+    """The response tokens of chunks of `(prompt, prompt ids)`, yielded chunk by chunk: the target's greedy answers
+    (each chunk generated when its turn comes, recorded by `recorder` when given), a `server`'s
+    ([`ServerResponder.batches`]: every chunk's requests sent at once), or the source's replies."""
+    if server is not None:
+        return lambda chunks: server.batches([[ids for _, ids in chunk] for chunk in chunks])
+    if responses == "source":
+        eos = end_ids(target, tokenizer)
+        end_id = eos[0] if eos else None
+        return lambda chunks: (
+            [source_response(tokenizer, p.reply, end_id, max_new_tokens) for p, _ in c] for c in chunks
         )
-    return server.check()
+
+    def generated(chunks: list[Chunk]) -> Iterator[list[list[int]]]:
+        for chunk in chunks:
+            with recorder.recording() if recorder is not None else contextlib.nullcontext():
+                responses = regenerate(target, tokenizer, [ids for _, ids in chunk], max_new_tokens)
+            yield responses
+
+    return generated
 
 
-def _publish(out: Path, done: list[dict], held: list[Prompt], manifest: dict[str, Any]) -> None:
-    """(Re)write the dataset, the held-out prompts and the manifest of a make-data folder from its part records."""
-    write_dataset(out, done)
-    rows = ({"id": p.id, "prompt": p.text, **({"history": p.history} if p.history else {})} for p in held)
-    atomic_write_text(out / "held_out.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
-    atomic_write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=1))
-
-
-_RUN_COUNTS = ("generated_this_run", "skipped_long_prompts", "skipped_without_reply")
-
-
-def _manifest(settings: dict, run_settings: dict, counts: dict, done: list[dict], held: list[Prompt]) -> dict[str, Any]:
-    """The manifest of a make-data folder: target, source, settings, counts and held-out ids."""
-    return {
-        "format": "dflash-hf-data/1",
-        "target": settings["target"],
-        "target_model_type": settings["target_model_type"],
-        "source": settings["source"],
-        "settings": {**settings, **run_settings},
-        "counts": {
-            **{k: v for k, v in counts.items() if k not in _RUN_COUNTS},
-            "samples": len(done),
-            "generated_this_run": counts["generated_this_run"],
-            "skipped_long_prompts": counts["skipped_long_prompts"],
-            **({"skipped_without_reply": counts["skipped_without_reply"]} if "skipped_without_reply" in counts else {}),
-            "response_tokens": sum(len(r["input_ids"]) - r["prompt_length"] for r in done),
-            "total_tokens": sum(len(r["input_ids"]) for r in done),
-        },
-        "held_out_ids": [p.id for p in held],
-    }
-
-
-def load_training_data(path: str | os.PathLike):
-    """Load a `make-data` folder (or a plain `datasets` folder with `input_ids` and `loss_mask`)."""
-    import datasets
-
-    path = Path(path)
-    folder = path / "dataset" if (path / MANIFEST_NAME).is_file() else path
-    try:
-        data = datasets.load_from_disk(str(folder))
-    except FileNotFoundError as err:
-        raise ValueError(
-            f"{path} is neither a `dflash-hf make-data` output folder nor a `datasets` folder; make one with "
-            "`dflash-hf make-data --target T --out DIR`."
-        ) from err
-    if isinstance(data, datasets.DatasetDict):
-        data = data["train"] if "train" in data else next(iter(data.values()))
-    missing = [c for c in ("input_ids", "loss_mask") if c not in data.column_names]
-    if missing:
-        raise ValueError(f"{folder} lacks the column(s) {missing}; make the dataset with `dflash-hf make-data`.")
-    return data
-
-
-def read_manifest(path: str | os.PathLike) -> dict | None:
-    """The manifest of a make-data folder, or `None` for a plain `datasets` folder."""
-    manifest = Path(path) / MANIFEST_NAME
-    return json.loads(manifest.read_text()) if manifest.is_file() else None
+def _write_parts(
+    respond: Respond,
+    parts: Path,
+    encoded: Iterator[tuple[Prompt, list[int]]],
+    done: list[dict],
+    goal: int,
+    batch_size: int,
+    progress: bool,
+    recorder: FeatureRecorder | None = None,
+) -> int:
+    """Make responses batch by batch, each batch written as a new part (after its features, with a `recorder`), until
+    `done` holds `goal` records (or the prompts run out); returns how many records were made."""
+    part_no = next_part_number(parts)
+    generated = 0
+    with tqdm(total=goal, initial=min(len(done), goal), desc="make-data", unit="sample", disable=not progress) as bar:
+        while len(done) < goal:
+            window = list(itertools.islice(encoded, batch_size * 8))
+            if not window:
+                break
+            chunks = length_sorted_chunks(window, batch_size, goal - len(done))
+            with contextlib.closing(respond(chunks)) as answers:
+                for chunk, responses in zip(chunks, answers):
+                    records = [
+                        {"id": p.id, "input_ids": ids + resp, "prompt_length": len(ids)}
+                        for (p, ids), resp in zip(chunk, responses)
+                    ]
+                    if recorder is not None:  # features first: a part never exists without its features
+                        recorder.store(records, max(len(ids) for _, ids in chunk) if recorder.recorded else None)
+                    write_part(part_path(parts, part_no), records)
+                    part_no += 1
+                    done.extend(records)
+                    generated += len(records)
+                    bar.update(len(records))
+    return generated

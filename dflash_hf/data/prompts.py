@@ -26,7 +26,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-MANIFEST_NAME = "manifest.json"  # marks a make-data output folder (written by `dflash_hf.data.make`)
+MANIFEST_NAME = "manifest.json"  # marks a make-data output folder (written by `dflash_hf.data.make_folder`)
 DEFAULT_SOURCE = "sharegpt"
 
 

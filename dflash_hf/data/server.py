@@ -196,6 +196,17 @@ class ServerResponder:
             )
         return {"api": self.api, "model": self.model, "vocab_size": served_vocab}
 
+    def check_run(self, max_new_tokens: int, vocab_size: int) -> dict[str, Any]:
+        """[`check`] for a make-data run of `max_new_tokens` with a target of `vocab_size`, after a `ValueError` when
+        the responder was built for other values."""
+        if (self.max_new_tokens, self.vocab_size) != (int(max_new_tokens), int(vocab_size)):
+            raise ValueError(
+                f"The server responder was built for max_new_tokens {self.max_new_tokens} and a vocabulary of "
+                f"{self.vocab_size}, this run has {max_new_tokens} and the target {vocab_size}: build it with the "
+                "run's values."
+            )
+        return self.check()
+
     # ------------------------------------------------------------------ generation
     def _complete(self, prompt_ids: list[int]) -> list[int]:
         if self.api == "llama.cpp":
@@ -259,6 +270,16 @@ class ServerResponder:
     def __call__(self, prompts: list[list[int]]) -> list[list[int]]:
         """The greedy responses to `prompts` (token ids), in order (see [`responses`])."""
         return list(self.responses(prompts))
+
+    def batches(self, batches: list[list[list[int]]]) -> Iterator[list[list[int]]]:
+        """The responses of each batch of prompts in turn, every batch's requests sent at once (see [`responses`]), so
+        the server stays busy while the caller writes the first batches."""
+        answers = self.responses([ids for batch in batches for ids in batch])
+        try:
+            for batch in batches:
+                yield [next(answers) for _ in batch]
+        finally:
+            answers.close()
 
     def responses(self, prompts: list[list[int]]) -> Iterator[list[int]]:
         """The greedy responses to `prompts` (token ids), yielded in order as soon as each is in, with up to

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_hf.data.make import read_parts
+from dflash_hf.data.parts import read_parts
 from dflash_hf.data.server import ServerResponder
 from dflash_hf.special_tokens import token_ids
 from dflash_hf.targets import load_target_shell
