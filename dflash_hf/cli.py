@@ -24,6 +24,7 @@ from .commands import (
     results_doc,
     train,
 )
+from .commands.settings import SettingsParser
 
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what shells report for a command ended by Ctrl-C
 
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dflash-hf", description="DFlash block-diffusion speculative decoding for Hugging Face Transformers."
     )
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=SettingsParser)
     for register in COMMANDS:
         register(subparsers)
     return parser
@@ -74,12 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     on Ctrl-C, also while the parser is built; Ctrl-C while the commands are imported is `dflash_hf_launcher`'s)."""
     try:
         parser, args = _parse(sys.argv[1:] if argv is None else list(argv))
-    except KeyboardInterrupt:
-        return interrupted()
-    if getattr(args, "func", None) is None:
-        parser.print_help()
-        return 2
-    try:
+        if getattr(args, "func", None) is None:
+            parser.print_help()
+            return 2
         with hidden_progress_bars(getattr(args, "quiet", False)):
             return int(args.func(args) or 0)
     except (ValueError, OSError) as err:  # bad input, missing or unreadable files: one line, no traceback

@@ -5,9 +5,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from ..mkl_choice import MKL_MODES
+from ..runtime import available_cpus
+from ..targets import DEFAULT_TARGET, TARGETS
+from .settings import add_fields
 
 
 def load_models(
@@ -80,24 +86,30 @@ def hidden_progress_bars(hide: bool) -> Iterator[None]:
         yield
 
 
+@dataclass(kw_only=True)
+class TapSettings:
+    """Which target features a features folder stores (cache-features, make-data --features-out)."""
+
+    target_layer_ids: list[int] | None = field(
+        default=None, metadata={"type": int, "nargs": "+", "help": "Tapped layers (default: spread)."}
+    )
+    num_target_features: int = field(default=5, metadata={"help": "Number of taps if no ids are given."})
+    drafter: str | None = field(default=None, metadata={"help": "Take the tapped layers from this drafter's config."})
+    final_hidden: bool = field(
+        default=True,
+        metadata={
+            "help": "Do not store the target's final hidden states (the distillation teacher; H values per token)."
+        },
+    )
+
+
 def add_tap_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--target-layer-ids`, `--num-target-features`, `--drafter` and `--no-final-hidden`: which target features a
-    features folder stores (cache-features, make-data --features-out)."""
-    parser.add_argument(
-        "--target-layer-ids", type=int, nargs="+", default=None, help="Tapped layers (default: spread)."
-    )
-    parser.add_argument("--num-target-features", type=int, default=5, help="Number of taps if no ids are given.")
-    parser.add_argument("--drafter", default=None, help="Take the tapped layers from this drafter's config.")
-    parser.add_argument(
-        "--no-final-hidden",
-        dest="final_hidden",
-        action="store_false",
-        help="Do not store the target's final hidden states (the distillation teacher; H values per token).",
-    )
+    """`--target-layer-ids`, `--num-target-features`, `--drafter` and `--no-final-hidden` ([`TapSettings`])."""
+    add_fields(parser, TapSettings)
 
 
-def target_layer_ids_of(args: argparse.Namespace, target) -> list[int]:
-    """The tapped layers asked for by [`add_tap_arguments`]' flags: explicit ids, a drafter's, or spread ones."""
+def target_layer_ids_of(args: TapSettings | argparse.Namespace, target) -> list[int]:
+    """The tapped layers asked for by [`TapSettings`]: explicit ids, a drafter's, or spread ones."""
     from ..drafters import drafter_source
     from ..modeling import DFlashConfig, default_target_layer_ids
 
@@ -131,26 +143,32 @@ def comma_separated_floats(text: str) -> list[float]:
     return values
 
 
-def add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--threads` and `--mkl-mode`, shared by the commands that run models on the CPU (see `setup_cpu`)."""
-    from ..mkl_choice import MKL_MODES
-    from ..runtime import available_cpus
+@dataclass(kw_only=True)
+class CpuSettings:
+    """How the commands that run models on the CPU use it (see [`setup_cpu`])."""
 
-    parser.add_argument(
-        "--threads",
-        type=int,
+    threads: int | None = field(
         default=None,
-        help=f"CPU threads for torch, at most the CPUs available to this process (default: all {available_cpus()}).",
+        metadata={
+            "help": "CPU threads for torch, at most the CPUs available to this process (default: all "
+            f"{available_cpus()})."
+        },
     )
-    parser.add_argument(
-        "--mkl-mode",
-        choices=MKL_MODES,
+    mkl_mode: str = field(
         default="auto",
-        help="MKL's code path for float32 matmuls: auto (the default) takes the one measured fastest on this machine "
-        "for decoding's few-row matmuls (MKL's default or one of its MKL_CBWR modes; timed once, about 10 s, the "
-        "verdict kept in the dflash-hf cache), cnr sets MKL_CBWR=AUTO, default leaves MKL alone. A MKL_CBWR in the "
-        "environment is kept.",
+        metadata={
+            "choices": MKL_MODES,
+            "help": "MKL's code path for float32 matmuls: auto (the default) takes the one measured fastest on this "
+            "machine for decoding's few-row matmuls (MKL's default or one of its MKL_CBWR modes; timed once, about "
+            "10 s, the verdict kept in the dflash-hf cache), cnr sets MKL_CBWR=AUTO, default leaves MKL alone. A "
+            "MKL_CBWR in the environment is kept.",
+        },
     )
+
+
+def add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--threads` and `--mkl-mode` ([`CpuSettings`])."""
+    add_fields(parser, CpuSettings)
 
 
 def device_of(name: str | None) -> torch.device:
@@ -174,11 +192,10 @@ def device_of(name: str | None) -> torch.device:
     return device
 
 
-def setup_cpu(args: argparse.Namespace, device: torch.device) -> int | None:
+def setup_cpu(args: CpuSettings | argparse.Namespace, device: torch.device) -> int | None:
     """Apply `--mkl-mode` (before any matmul runs) and `--threads` on a CPU device; returns the thread count (`None`
     on other devices)."""
     from ..mkl_choice import select_mkl_mode
-    from ..runtime import available_cpus
 
     if args.threads is not None and not 1 <= args.threads <= available_cpus():
         raise ValueError(
@@ -193,30 +210,29 @@ def setup_cpu(args: argparse.Namespace, device: torch.device) -> int | None:
     return threads
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, dtype: bool = True) -> None:
-    """`--target`, `--drafter` and (with `dtype`) `--dtype`, shared by the commands that run a target with a
-    drafter."""
-    from ..targets import DEFAULT_TARGET, TARGETS
+@dataclass(kw_only=True)
+class ModelSettings:
+    """The target and the drafter of the commands that run both."""
 
-    parser.add_argument(
-        "--target",
+    target: str = field(
         default=DEFAULT_TARGET,
-        help=f"Named target ({', '.join(TARGETS)}), model folder or Hub id (default: {DEFAULT_TARGET}).",
+        metadata={"help": f"Named target ({', '.join(TARGETS)}), model folder or Hub id (default: {DEFAULT_TARGET})."},
     )
-    parser.add_argument(
-        "--drafter",
-        type=Path,
-        default=None,
-        help="DFlash drafter folder (default: the drafter bundled for a named target).",
+    drafter: Path | None = field(
+        default=None, metadata={"help": "DFlash drafter folder (default: the drafter bundled for a named target)."}
     )
-    if not dtype:
-        return
-    parser.add_argument(
-        "--dtype",
+    dtype: str = field(
         default="auto",
-        choices=["auto", "float32", "bfloat16"],
-        help="Precision of both models (default: auto = bfloat16 on CUDA; on CPUs with native bf16 (AMX-BF16 / "
-        "AVX512-BF16) the one that runs a DFlash cycle faster, measured once per machine with exact (row-exact) "
-        "bf16 verification, else float32). Plain greedy decoding, the reference for exactness and speed, runs in "
-        "the same precision.",
+        metadata={
+            "choices": ["auto", "float32", "bfloat16"],
+            "help": "Precision of both models (default: auto = bfloat16 on CUDA; on CPUs with native bf16 (AMX-BF16 / "
+            "AVX512-BF16) the one that runs a DFlash cycle faster, measured once per machine with exact (row-exact) "
+            "bf16 verification, else float32). Plain greedy decoding, the reference for exactness and speed, runs in "
+            "the same precision.",
+        },
     )
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, dtype: bool = True) -> None:
+    """`--target`, `--drafter` and (with `dtype`) `--dtype` ([`ModelSettings`])."""
+    add_fields(parser, ModelSettings, exclude=() if dtype else ("dtype",))
