@@ -140,7 +140,7 @@ def resolve_drafter_dir(target: str, drafter: Path | None) -> Path:
     [`check_drafter_folder`].
     """
     if drafter is not None:
-        if not (Path(drafter) / "config.json").is_file():
+        if not (Path(drafter) / CONFIG_NAME).is_file():
             raise ValueError(
                 f"No DFlash drafter at {drafter} (no config.json): pass --drafter PATH to a folder saved with "
                 "DFlashDraftModel.save_pretrained."
@@ -148,7 +148,7 @@ def resolve_drafter_dir(target: str, drafter: Path | None) -> Path:
         check_drafter_folder(drafter)
         return Path(drafter)
     folder = bundled_drafter_dir(str(target))
-    if str(target) not in TARGETS or not (folder / "config.json").is_file():
+    if str(target) not in TARGETS or not (folder / CONFIG_NAME).is_file():
         raise ValueError(
             f"No bundled drafter for target {target!r} in this installation ({folder} is missing): pass "
             "--drafter PATH to a DFlash drafter folder."
