@@ -24,7 +24,7 @@ from testing_utils import (
 )
 
 import dflash_hf
-import dflash_hf.engine.generation_call as generation_call
+import dflash_hf.engine.token_choice as token_choice
 from dflash_hf import DFlashConfig
 from dflash_hf.data.batching import pad
 from dflash_hf.engine import draft_tree
@@ -38,6 +38,7 @@ from dflash_hf.engine.draft_tree import (
     node_threshold,
 )
 from dflash_hf.engine.tree import accept_tree, ancestor_mask, tree_attention_mask, tree_path
+from dflash_hf.target import row_exact
 
 MAX_NEW = 32
 EVERY_FIRST_SLOT = {(pos, 1) for pos in range(200)}  # the chain's first draft is always wrong
@@ -330,7 +331,7 @@ def test_markov_tree_chain_is_the_drafters_sequential_argmax(monkeypatch):
     drafter = markov_drafter(target)
     input_ids = _prompt(5, 20)
     chains, drafts = [], []
-    real_grow, real_propose = draft_tree.DraftTreeSearch.grow, generation_call.GenerationCall._propose
+    real_grow, real_propose = draft_tree.DraftTreeSearch.grow, token_choice.TokenChoice.propose
 
     def grow(self, anchors, candidates, slots, lookups):
         trees = real_grow(self, anchors, candidates, slots, lookups)
@@ -343,7 +344,7 @@ def test_markov_tree_chain_is_the_drafters_sequential_argmax(monkeypatch):
         return tokens, probs
 
     monkeypatch.setattr(draft_tree.DraftTreeSearch, "grow", grow)
-    monkeypatch.setattr(generation_call.GenerationCall, "_propose", propose)
+    monkeypatch.setattr(token_choice.TokenChoice, "propose", propose)
     for candidates in ("tree", "dflash"):
         dflash_hf.generate(target, drafter, input_ids, max_new_tokens=5, candidates=candidates)
     assert len(chains[0]) == 3 and chains[0] == drafts[0]
@@ -384,10 +385,10 @@ def test_row_exact_attention_gives_each_sequence_its_own_tree():
     key, value = torch.randn(2, 2, 7, 8, generator=generator), torch.randn(2, 2, 7, 8, generator=generator)
     sees = ancestor_mask(torch.tensor([[0, 0, 0, 0], [0, 0, 1, 2]]))  # three children of the root; a chain
     mask = tree_attention_mask(torch.ones(2, 3, dtype=torch.long), sees, torch.float32)
-    with generation_call.row_exact.verification():
-        together = generation_call.row_exact._row_exact_sdpa(module, query, key, value, mask)[0]
+    with row_exact.verification():
+        together = row_exact._row_exact_sdpa(module, query, key, value, mask)[0]
         for i in range(2):
-            alone = generation_call.row_exact._row_exact_sdpa(
+            alone = row_exact._row_exact_sdpa(
                 module, query[i : i + 1], key[i : i + 1], value[i : i + 1], mask[i : i + 1]
             )[0]
             assert torch.equal(together[i], alone[0]), i
@@ -405,6 +406,6 @@ def test_row_exact_bf16_draft_tree_equals_plain_bf16_greedy(family):
         target, oracle, input_ids, max_new_tokens=MAX_NEW, eos_token_id=[99], candidates="tree",
         return_dict_in_generate=True,
     )  # fmt: skip
-    if not generation_call.row_exact.install(target, 4 + draft_tree.DEFAULT_TREE_NODES):
+    if not row_exact.install(target, 4 + draft_tree.DEFAULT_TREE_NODES):
         pytest.skip("this CPU's bf16 kernels cannot be made row-exact for this target (install says so)")
     assert torch.equal(out.sequences, reference) and max(out.verify_widths[0]) > 4

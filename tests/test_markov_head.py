@@ -24,7 +24,7 @@ from testing_utils import (
 )
 
 import dflash_hf
-import dflash_hf.engine.generation_call as generation_call
+import dflash_hf.engine.token_choice as token_choice
 from dflash_hf import DFlashConfig, DFlashDraftModel
 from dflash_hf.data.make import make_data
 from dflash_hf.hub.speculators import config_from_speculators
@@ -68,13 +68,13 @@ def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def record_proposals(monkeypatch) -> list[dict]:
-    """Record every `_propose` call of the engine: its inputs, its drafts, the call's sequences at that moment and its
+    """Record every `TokenChoice.propose` call of the engine: its inputs, its drafts, the call's sequences at that moment and its
     logits processors."""
     calls = []
-    real = generation_call.GenerationCall._propose
+    real = token_choice.TokenChoice.propose
 
     def recording(self, draft_logits, rows, markov_inputs=None):
-        sequences = [self.sequences[row, : self.lengths[row]].clone() for row in rows]
+        sequences = [self.sequence(row).clone() for row in rows]
         tokens, probs = real(self, draft_logits, rows, markov_inputs)
         calls.append(
             dict(
@@ -88,7 +88,7 @@ def record_proposals(monkeypatch) -> list[dict]:
         )
         return tokens, probs
 
-    monkeypatch.setattr(generation_call.GenerationCall, "_propose", recording)
+    monkeypatch.setattr(token_choice.TokenChoice, "propose", recording)
     return calls
 
 
@@ -291,13 +291,13 @@ def test_verifying_the_uncorrected_distributions_is_caught(sampling_setup, monke
     """Drafts sampled through the head but verified against the backbone's own distributions are biased: the same
     bound rejects them (the distribution test can fail)."""
     target, drafter, prompt, expected = sampling_setup
-    real = generation_call.GenerationCall._draft_chain
+    real = token_choice.TokenChoice.draft_chain
 
     def uncorrected_probs(self, draft_logits, rows, anchors, hidden_states):
         tokens, _ = real(self, draft_logits, rows, anchors, hidden_states)
-        return tokens, self._draft_tokens(draft_logits, rows)[1]
+        return tokens, self.draft_tokens(draft_logits, rows)[1]
 
-    monkeypatch.setattr(generation_call.GenerationCall, "_draft_chain", uncorrected_probs)
+    monkeypatch.setattr(token_choice.TokenChoice, "draft_chain", uncorrected_probs)
     statistic, cells = chi_square(target, drafter, prompt, expected, "sample")
     assert statistic > chi_square_bound(cells), statistic
 

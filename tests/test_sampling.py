@@ -13,7 +13,7 @@ from testing_utils import (
 )
 
 import dflash_hf
-import dflash_hf.engine.generation_call as generation_call
+import dflash_hf.engine.token_choice as token_choice
 from dflash_hf import DFlashConfig, DFlashDraftModel
 
 
@@ -47,14 +47,14 @@ def test_argmax_proposal_drafts_point_masses_on_the_argmax(setup, monkeypatch):
     sampled proposal gives full distributions."""
     target, drafter, prompt, _ = setup
     seen = []
-    real = generation_call.GenerationCall._propose
+    real = token_choice.TokenChoice.propose
 
     def recording(self, draft_logits, rows):
         tokens, probs = real(self, draft_logits, rows)
         seen.append((draft_logits.argmax(-1), tokens, probs))
         return tokens, probs
 
-    monkeypatch.setattr(generation_call.GenerationCall, "_propose", recording)
+    monkeypatch.setattr(token_choice.TokenChoice, "propose", recording)
     rows = prompt.expand(64, -1).contiguous()
     for proposal in ("argmax", "sample"):
         seen.clear()
@@ -78,6 +78,6 @@ def test_biased_sampler_is_caught(setup, monkeypatch):
         accepted = torch.full((draft_tokens.shape[0],), draft_tokens.shape[1], dtype=torch.long)
         return accepted, torch.multinomial(target_probs[:, -1], 1).squeeze(1)
 
-    monkeypatch.setattr(generation_call, "rejection_sample", accept_everything)
+    monkeypatch.setattr(token_choice, "rejection_sample", accept_everything)
     statistic, cells = chi_square(target, drafter, prompt, expected)
     assert statistic > chi_square_bound(cells), statistic

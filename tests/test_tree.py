@@ -8,9 +8,11 @@ import torch
 from testing_utils import GEMMA_SLIDING_WINDOW, greedy_reference, make_drafter, make_oracle, make_target
 
 import dflash_hf
-import dflash_hf.engine.generation_call as generation_call
 from dflash_hf.data.batching import pad
-from dflash_hf.engine.tree import LookupBranchChoice, lookup_continuation, path_order, tree_accept, tree_layout
+from dflash_hf.engine import lookup as lookup_module
+from dflash_hf.engine.lookup import LookupBranchChoice, lookup_branch_trees, lookup_continuation
+from dflash_hf.engine.tree import accept_tree, ancestor_mask, tree_path
+from dflash_hf.target import row_exact
 
 MAX_NEW = 32
 
@@ -35,7 +37,7 @@ def oracle_lookup(monkeypatch):
                     return [(t + 1) % 64 if (start + i) % wrong_every == 0 else t for i, t in enumerate(continuation)]
             return []
 
-        monkeypatch.setattr(generation_call, "lookup_continuation", lookup)
+        monkeypatch.setattr(lookup_module, "lookup_continuation", lookup)
 
     return install
 
@@ -47,12 +49,14 @@ def test_lookup_continuation_takes_the_latest_earlier_ngram():
     assert lookup_continuation([4, 4, 4], 5) == [4]  # "4 4" at the start, followed by one token
 
 
-def test_tree_layout_mask_positions_and_acceptance():
+def test_lookup_branch_trees_mask_positions_and_acceptance():
     anchors, drafts = torch.tensor([10, 20]), torch.tensor([[11, 12], [21, 22]])
-    ids, positions, sees, valid = tree_layout(anchors, drafts, [[31, 32, 33], []], torch.tensor([5, 7]))
-    assert ids.tolist() == [[10, 11, 12, 31, 32, 33], [20, 21, 22, 20, 20, 20]]
+    trees = lookup_branch_trees(anchors, drafts, [[31, 32, 33], []])
+    positions = torch.tensor([5, 7])[:, None] + trees.depths
+    assert trees.ids.tolist() == [[10, 11, 12, 31, 32, 33], [20, 21, 22, 20, 20, 20]]
     assert positions.tolist() == [[5, 6, 7, 6, 7, 8], [7, 8, 9, 8, 9, 10]]
-    assert valid.tolist() == [[True, True, True], [False, False, False]]
+    assert trees.valid[:, 3:].tolist() == [[True, True, True], [False, False, False]]
+    assert trees.from_lookup[0].tolist() == [False, False, False, True, True, True]
     expected = [
         [1, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0],
@@ -61,14 +65,17 @@ def test_tree_layout_mask_positions_and_acceptance():
         [1, 0, 0, 1, 1, 0],
         [1, 0, 0, 1, 1, 1],
     ]
-    assert sees[0].int().tolist() == expected
+    assert ancestor_mask(trees.parents)[0].int().tolist() == expected
     # target argmax per node: row 0 accepts 1 draft but 2 lookup tokens; row 1 has no lookup and accepts 2 drafts
     target = torch.tensor([[11, 0, 0, 32, 40, 0], [21, 22, 23, 0, 0, 0]])
     target[0, 0] = 31  # the root predicts the lookup branch's first token
-    accepted, next_token, won, block_accepted = tree_accept(ids, target, 2, valid)
-    assert accepted.tolist() == [2, 2] and won.tolist() == [True, False] and next_token.tolist() == [40, 23]
+    result = accept_tree(trees.ids, trees.parents, trees.depths, trees.valid, target)
+    won = trees.from_lookup.gather(1, result.best[:, None]).squeeze(1)
+    assert result.accepted.tolist() == [2, 2] and won.tolist() == [True, False]
+    assert result.next_token.tolist() == [40, 23]
+    block_accepted = result.node_accepted[:, 1:3].sum(dim=1)
     assert block_accepted.tolist() == [0, 2]  # what the block alone got, which the block-size policy learns from
-    assert path_order(accepted, won, 2, 3).tolist() == [[0, 3, 4], [0, 1, 2]]
+    assert tree_path(trees.parents, result.best, result.accepted, 3).tolist() == [[0, 3, 4], [0, 1, 2]]
 
 
 @pytest.mark.parametrize("oracle", [False, True], ids=["random drafter", "partly wrong oracle"])
@@ -238,7 +245,7 @@ def test_row_exact_bf16_tree_verify_equals_plain_bf16_greedy(family, oracle_look
             target, drafter.to(torch.bfloat16), input_ids, max_new_tokens=MAX_NEW, candidates="dflash+lookup",
             return_dict_in_generate=True,
         )  # fmt: skip
-        if not generation_call.row_exact.install(target, 4):
+        if not row_exact.install(target, 4):
             pytest.skip("this CPU's bf16 kernels cannot be made row-exact for this target (install says so)")
         assert torch.equal(out.sequences, reference)
         assert out.lookup_wins[0] > 0  # the tree was verified (and won) in row-exact bf16
@@ -257,7 +264,7 @@ def test_lookup_branch_longer_than_the_block_is_lossless(family, dtype, oracle_l
         target, make_drafter(target).to(dtype), input_ids, max_new_tokens=MAX_NEW, block_size=2, lookup_tokens=7,
         candidates="dflash+lookup", return_dict_in_generate=True,
     )  # fmt: skip
-    if dtype != torch.float32 and not generation_call.row_exact.install(target, 9):
+    if dtype != torch.float32 and not row_exact.install(target, 9):
         pytest.skip("this CPU's bf16 kernels cannot be made row-exact for this target (install says so)")
     assert torch.equal(out.sequences, reference)
     assert max(out.accepted_lengths[0]) > 2  # more than a 2-token block can commit: the long branch won

@@ -1,7 +1,7 @@
 """The decoding methods a bench compares, and how each one is run and measured on one prompt.
 
 Transformers' own methods (`greedy`, `prompt_lookup`, `native_dflash`) are measured from outside with module hooks
-([`_TargetWatch`]); this package's engine reports its own statistics. Where the engine computes some of the target's
+([`TargetWatch`]); this package's engine reports its own statistics. Where the engine computes some of the target's
 own layers with faster kernels than `target.generate` (a prepacked LM head in float32 on CPU),
 `greedy_engine_kernels` is plain greedy decoding with those kernels, so that the gain from kernels and the gain from
 speculation can be told apart. docs/design.md ("Benchmark") says how every
@@ -17,15 +17,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 from transformers import PreTrainedModel
 
 from ..engine.acceptance import SAMPLING_PROPOSALS
+from ..engine.candidates import CandidatePlan
 from ..engine.generation import generate
-from ..engine.tree import lookup_branch_length, verify_width
+from ..engine.lookup import lookup_branch_length
 from ..modeling import DFlashDraftModel
-from ..runtime import Stopwatch, clock
+from ..runtime import Stopwatch
 from ..target.adapter import engine_kernels, uses_engine_kernels
+from .target_watch import TargetWatch
 
 DEFAULT_BLOCK_SIZES = (4, 8, 16)
 
@@ -83,73 +84,6 @@ class BenchMethod:
     sampled: bool = False
 
 
-class _TargetWatch:
-    """Module hooks that count, time and locate the target's forwards (and time the drafter) during one call."""
-
-    def __init__(self, target: PreTrainedModel, drafter: nn.Module | None = None) -> None:
-        self.device = target.device
-        self.cache_lengths: list[int] = []  # tokens in the target's KV cache when each decoder forward starts
-        self.target_seconds: list[float] = []  # wall time of each full target forward (decoder + LM head)
-        self.draft_seconds = 0.0
-        self._depth = 0
-        self._handles = [
-            target.get_decoder().register_forward_pre_hook(self._on_decoder, with_kwargs=True),
-            target.register_forward_pre_hook(self._enter_target),
-            target.register_forward_hook(self._leave_target),
-        ]
-        if drafter is not None:
-            lm_head = target.get_output_embeddings()
-            for module in (drafter, lm_head):
-                self._handles += [
-                    module.register_forward_pre_hook(self._start_draft),
-                    module.register_forward_hook(self._stop_draft),
-                ]
-
-    def _on_decoder(self, _module, args, kwargs) -> None:
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if cache is not None:
-            self.cache_lengths.append(int(cache.get_seq_length()))
-            return
-        positions = kwargs.get("position_ids")
-        if positions is None:
-            raise ValueError("Cannot locate the target's forwards: it was called without a cache or position ids.")
-        self.cache_lengths.append(int(positions[0, 0]))
-
-    def _enter_target(self, _module, _args) -> None:
-        self._depth += 1
-        self._target_start = clock(self.device)
-
-    def _leave_target(self, _module, _args, _output) -> None:
-        self._depth -= 1
-        self.target_seconds.append(clock(self.device) - self._target_start)
-
-    def _start_draft(self, _module, _args) -> None:
-        if self._depth == 0:  # the LM head inside the target's own forward is verification, not drafting
-            self._draft_start = clock(self.device)
-
-    def _stop_draft(self, _module, _args, _output) -> None:
-        if self._depth == 0:
-            self.draft_seconds += clock(self.device) - self._draft_start
-
-    def close(self) -> None:
-        """Remove every hook."""
-        for handle in self._handles:
-            handle.remove()
-
-    def accepted_lengths(self, prompt_length: int, total_length: int) -> list[int]:
-        """Tokens committed by each forward after the prefill (see the module docstring)."""
-        starts = self.cache_lengths[1:]
-        ends = starts[1:] + [total_length - 1]
-        lengths = [end - start for start, end in zip(starts, ends)]
-        prefill_ok = self.cache_lengths[:1] == [0] and (not starts or starts[0] >= prompt_length)
-        if not prefill_ok or any(n < 1 for n in lengths):
-            raise ValueError(
-                f"Cannot follow this Transformers version's decoding: the target's forwards started at cache lengths "
-                f"{self.cache_lengths} for a {prompt_length}-token prompt and a {total_length}-token result."
-            )
-        return lengths
-
-
 def _transformers_runner(
     target: PreTrainedModel,
     drafter: DFlashDraftModel | None = None,
@@ -157,13 +91,13 @@ def _transformers_runner(
     **generate_kwargs: Any,
 ) -> MethodRunner:
     """Runner for `target.generate(...)` (greedy unless `do_sample=True` is given) with extra keyword arguments,
-    measured with [`_TargetWatch`]; with `with_engine_kernels`, the target computes its layers with the engine's
+    measured with [`TargetWatch`]; with `with_engine_kernels`, the target computes its layers with the engine's
     kernels ([`engine_kernels`])."""
     generate_kwargs = {"do_sample": False, **generate_kwargs}
 
     def run(input_ids: torch.LongTensor, max_new_tokens: int) -> MethodRun:
         kernels = engine_kernels(target) if with_engine_kernels else contextlib.nullcontext()
-        watch, stopwatch = _TargetWatch(target, drafter), Stopwatch(input_ids.device)
+        watch, stopwatch = TargetWatch(target, drafter), Stopwatch(input_ids.device)
         if generate_kwargs["do_sample"]:
             torch.manual_seed(SAMPLING_SEED)
         try:
@@ -313,9 +247,9 @@ def widest_verify(
         return trained
     widths = [trained]
     if lookup_branch:
-        widths += [verify_width(sizes[0], True, n) for n in [None, *lookup_tokens]]
+        widths += [CandidatePlan("dflash+lookup", sizes[0], n).verify_width for n in [None, *lookup_tokens]]
     if draft_tree:
-        widths.append(verify_width(sizes[-1], False, draft_tree=True))
+        widths.append(CandidatePlan("tree", sizes[-1]).verify_width)
     return max(widths)
 
 

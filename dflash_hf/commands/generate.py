@@ -21,9 +21,9 @@ from .. import mkl_choice
 from ..data.prompts import encode_prompt
 from ..drafters import resolve_drafter_dir
 from ..engine.acceptance import DEFAULT_SAMPLING_PROPOSAL, SAMPLING_PROPOSALS
+from ..engine.candidates import CANDIDATE_SOURCES, DEFAULT_CANDIDATES, CandidatePlan
 from ..engine.checks import MAX_LOOKUP_TOKENS, check_context_length
 from ..engine.generation import generate
-from ..engine.tree import CANDIDATE_SOURCES, DEFAULT_CANDIDATES, verify_width
 from ..modeling import DFlashConfig
 from ..runtime import Stopwatch, mkl_mode
 from . import add_cpu_arguments, add_model_arguments, device_of, load_models, setup_cpu
@@ -152,8 +152,7 @@ def run(args: argparse.Namespace) -> int:
 
     max_block = args.block_size or int(drafter_config.block_size)
     greedy = not sampling.get("do_sample", False)
-    lookup_branch = args.candidates in ("dflash+lookup", "tree") and greedy
-    widest = verify_width(max_block, lookup_branch, args.lookup_tokens, args.candidates == "tree" and greedy)
+    widest = CandidatePlan(args.candidates, max_block, args.lookup_tokens, tree_verify=greedy).verify_width
     target, tokenizer, drafter, precision = load_models(args.target, drafter_dir, device, args.dtype, max_block, widest)
     inputs = _encode(tokenizer, args.prompt, use_template=not args.no_chat_template)
     inputs = {key: value.to(device) for key, value in inputs.items()}

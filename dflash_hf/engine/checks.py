@@ -17,8 +17,8 @@ from transformers.generation.logits_process import (
 
 from ..modeling import DFlashDraftModel
 from .acceptance import SAMPLING_PROPOSALS
+from .candidates import CANDIDATE_SOURCES
 from .processing import EXACT_PROCESSORS
-from .tree import CANDIDATE_SOURCES
 
 # The generation argument that adds each processor the engine refuses (anything else came in `logits_processor`).
 _ARGUMENT_OF = {

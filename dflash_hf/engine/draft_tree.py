@@ -9,7 +9,7 @@ the chain (each slot's top token after the one before: the DFlash block the bloc
 best-scoring candidate nodes one at a time while their score is at least what verifying one more token costs
 ([`TreeBudget`]) and at most `max_nodes` are added. The prompt-lookup continuation is one more branch: it leaves the
 chain where it first differs from it and its nodes are scored by the lookup branch's own observed acceptance per
-depth. One target forward verifies all trees (`engine.tree`: `ancestor_mask`, `accept_tree`, `tree_path`).
+depth. One target forward verifies all trees ([`pack_trees`] packs them as `engine.tree.TokenTrees`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .block_size import cost_line
+from .tree import TokenTrees
 
 DEFAULT_TREE_NODES = 16  # most nodes a tree verifies beyond the DFlash block (side branches and lookup tokens)
 TREE_CHILDREN = 4  # candidates considered under a node: its next slot's top tokens
@@ -302,9 +303,9 @@ class DraftTreeSearch:
         self.lookups.observe(lookups)
 
 
-def pack_trees(trees: list[DraftTree], device) -> tuple[torch.LongTensor, ...]:
-    """`(ids, parents, depths, valid)`, each `(batch, W)`, of the rows' trees padded to the widest with copies of the
-    root under the root (never valid, so never accepted)."""
+def pack_trees(trees: list[DraftTree], device) -> TokenTrees:
+    """The rows' trees as one [`TokenTrees`], padded to the widest with copies of the root under the root (never
+    valid, so never accepted)."""
     width = max(len(tree) for tree in trees)
 
     def padded(tree: DraftTree) -> list[list]:
@@ -314,8 +315,10 @@ def pack_trees(trees: list[DraftTree], device) -> tuple[torch.LongTensor, ...]:
             tree.parents + [0] * pad,
             tree.depths + [1] * pad,
             [True] * len(tree) + [False] * pad,
+            tree.from_lookup + [False] * pad,
         ]
 
     columns = list(zip(*(padded(tree) for tree in trees)))
     ids, parents, depths = (torch.tensor(column, dtype=torch.long, device=device) for column in columns[:3])
-    return ids, parents, depths, torch.tensor(columns[3], dtype=torch.bool, device=device)
+    valid, from_lookup = (torch.tensor(column, dtype=torch.bool, device=device) for column in columns[3:])
+    return TokenTrees(ids, parents, depths, valid, from_lookup)

@@ -1,0 +1,227 @@
+"""What a cycle verifies: the candidate sources and the plan that chooses them once per call.
+
+A source proposes each cycle's candidates for the active rows as a [`Proposal`]: the DFlash chain (the block's
+drafts, verified by a causal forward; the one shape sampling verifies) or token trees given by parent pointers
+(`tree.TokenTrees`, verified with an ancestor mask). After verification it observes the [`Verdict`] and the cycle's
+cost, which its own adaptive choices learn from. Three sources:
+
+* [`DFlashChain`]: the DFlash block alone, drafted by one drafter forward (`candidates="dflash"`).
+* [`LookupBranch`]: the chain, plus the row's prompt-lookup continuation as a second branch from the anchor when
+  `lookup.LookupBranchChoice` finds it pays (`candidates="dflash+lookup"`).
+* [`DraftTreeCandidates`]: a draft tree per row over the drafter's top tokens per slot, the lookup continuation one
+  more branch (`draft_tree`, `candidates="tree"`).
+
+[`CandidatePlan`] turns the call's options into the source and owns the widest verify, which the engine's
+row-exact set-up, `dflash-hf generate` and the bench read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from ..runtime import Stopwatch
+from ..target.adapter import TargetAdapter, TargetStep
+from .cache_ops import truncate_cache
+from .draft_tree import DEFAULT_TREE_NODES, DraftTree, DraftTreeSearch, pack_trees
+from .lookup import LookupBranchChoice, Lookups, lookup_branch_length, lookup_branch_trees
+from .rows import ActiveRows, mask_or_none
+from .token_choice import TokenChoice, finite_slots
+from .tree import TokenTrees
+
+# what a verify checks: the DFlash block alone, with a lookup branch, or a draft tree (`draft_tree`) with one
+CANDIDATE_SOURCES = ("dflash", "dflash+lookup", "tree")
+# the bench's rows with and without the lookup branch compare the two (docs/results.md)
+DEFAULT_CANDIDATES = "dflash+lookup"
+
+
+@dataclass(frozen=True)
+class CandidatePlan:
+    """The candidates of a call, decided once from its options.
+
+    Args:
+        candidates: What the caller asked for, one of [`CANDIDATE_SOURCES`].
+        max_block: The largest DFlash block of the call.
+        lookup_tokens: Most tokens of a lookup branch (`None`: [`lookup.lookup_branch_length`]'s default).
+        tree_verify: Whether the call can verify trees: greedy decoding, with logits processors that score every
+            node alone. Without, every cycle verifies the DFlash chain, whatever `candidates` asked.
+    """
+
+    candidates: str
+    max_block: int
+    lookup_tokens: int | None = None
+    tree_verify: bool = True
+
+    @property
+    def source(self) -> str:
+        """The candidates every cycle draws from."""
+        return self.candidates if self.tree_verify else "dflash"
+
+    @property
+    def lookup_branch(self) -> bool:
+        """Whether cycles verify a prompt-lookup continuation with the block."""
+        return self.source in ("dflash+lookup", "tree")
+
+    @property
+    def verify_width(self) -> int:
+        """Tokens of the widest verify: the block, plus its longest lookup branch, or the most nodes a draft tree adds
+        to it (lookup tokens included); row-exact reduced-precision verification must cover them all."""
+        if self.source == "tree":
+            return self.max_block + DEFAULT_TREE_NODES
+        if self.lookup_branch:
+            return self.max_block + lookup_branch_length(self.max_block, self.lookup_tokens)
+        return self.max_block
+
+
+class Proposal(NamedTuple):
+    """One cycle's candidates for the active rows: the DFlash chain (`tokens`, with their proposal distributions
+    `probs` when sampling) or `trees`. `lookup_choice`: with a lookup continuation, whether the tree was chosen;
+    `draft_trees`: the rows' draft trees, when a draft tree source grew them (verified as `trees`, or as the chain
+    when none grew beyond it)."""
+
+    block: int
+    tokens: torch.LongTensor | None = None
+    probs: torch.Tensor | None = None
+    trees: TokenTrees | None = None
+    lookup_choice: bool | None = None
+    draft_trees: list[DraftTree] | None = None
+
+    @property
+    def width(self) -> int:
+        """Tokens verified per row (trees: padded to the widest row's)."""
+        return self.block if self.trees is None else self.trees.ids.shape[1]
+
+
+class Verdict(NamedTuple):
+    """What the target's verify forward decided, per row: `accepted` candidates on the kept path, the target's
+    `next_tokens` after them, the `path` tokens after the anchor, and `order` (trees: the kept path's node indices).
+    `node_accepted` (trees) marks the accepted nodes; `widths` are the tokens verified per row; `block_kept` is what
+    the DFlash block alone would have committed; `lookup_won` (trees) whether a lookup node ended the path."""
+
+    accepted: torch.Tensor
+    next_tokens: torch.Tensor
+    step: TargetStep
+    path: torch.LongTensor
+    widths: list[int]
+    block_kept: list[int]
+    order: torch.LongTensor | None = None
+    node_accepted: torch.Tensor | None = None
+    lookup_won: list[bool] | None = None
+
+
+class CandidateSource(Protocol):
+    """A source of candidates: proposes each cycle's candidates and learns from what was accepted and what it cost."""
+
+    def propose(self, state: ActiveRows, block: int, block_pos: torch.LongTensor) -> Proposal: ...
+
+    def observe(self, proposal: Proposal, verdict: Verdict, committed: float, seconds: float) -> None: ...
+
+
+class DFlashChain:
+    """The DFlash block: one drafter forward over `[anchor, MASK * (block-1)]` per row, the slots' tokens chosen by
+    the call's [`TokenChoice`]; the pending context enters the draft cache, the block's own K/V are dropped."""
+
+    def __init__(
+        self,
+        drafter,
+        adapter: TargetAdapter,
+        cache: DynamicCache,
+        choice: TokenChoice,
+        timer: Stopwatch,
+    ) -> None:
+        self.drafter, self.adapter, self.cache, self.choice, self.timer = drafter, adapter, cache, choice, timer
+        self.mask_token_id = int(drafter.config.mask_token_id)
+
+    def slots(self, state: ActiveRows, block: int, block_pos: torch.LongTensor):
+        """One drafter forward; returns the draft slots' logits and final hidden states."""
+        noise_ids = torch.full((len(state.rows), block), self.mask_token_id, dtype=torch.long, device=block_pos.device)
+        noise_ids[:, 0] = state.anchors
+        out = self.drafter(
+            noise_embeds=self.adapter.embed(noise_ids),
+            context_hidden_states=state.pending_context_hidden_states,
+            position_ids=torch.cat([state.pending_pos, block_pos], dim=1),
+            attention_mask=mask_or_none(state.mask, block),
+            cache=self.cache,
+        )
+        truncate_cache(self.cache, state.mask.shape[1])
+        hidden_states = out.last_hidden_state[:, 1:]
+        return self.adapter.logits(hidden_states, self.choice.draft_token_ids), hidden_states
+
+    def propose(self, state: ActiveRows, block: int, block_pos: torch.LongTensor) -> Proposal:
+        """The chain's drafts (block 1: a plain step, the drafter reads the new context and nothing is drafted)."""
+        with self.timer:
+            if block == 1:
+                self.slots(state, block, block_pos)
+                tokens = torch.empty(len(state.rows), 0, dtype=torch.long, device=block_pos.device)
+                probs = torch.empty(len(state.rows), 0, self.adapter.vocab_size, device=block_pos.device)
+                return Proposal(block, tokens, probs if self.choice.do_sample else None)
+            draft_logits, hidden_states = self.slots(state, block, block_pos)
+            if self.choice.markov_head is None:
+                return Proposal(block, *self.choice.propose(draft_logits, state.rows))
+            return Proposal(block, *self.choice.propose(draft_logits, state.rows, (state.anchors, hidden_states)))
+
+    def observe(self, proposal: Proposal, verdict: Verdict, committed: float, seconds: float) -> None:
+        """The chain learns nothing (the block-size policy learns from every cycle)."""
+
+
+class LookupBranch:
+    """The chain plus each row's lookup continuation as a second branch from the anchor, in cycles where a row has
+    one and [`LookupBranchChoice`] chooses the tree."""
+
+    def __init__(self, chain: DFlashChain, lookups: Lookups) -> None:
+        self.chain, self.lookups, self.choice = chain, lookups, LookupBranchChoice()
+
+    def propose(self, state: ActiveRows, block: int, block_pos: torch.LongTensor) -> Proposal:
+        proposal = self.chain.propose(state, block, block_pos)
+        found = self.lookups.continuations(state.rows, block) if block > 1 else None  # block 1: a plain step
+        if found is None:
+            return proposal
+        if not self.choice.use_tree():
+            return proposal._replace(lookup_choice=False)
+        return Proposal(block, trees=lookup_branch_trees(state.anchors, proposal.tokens, found), lookup_choice=True)
+
+    def observe(self, proposal: Proposal, verdict: Verdict, committed: float, seconds: float) -> None:
+        if proposal.lookup_choice is not None:
+            self.choice.observe(proposal.lookup_choice, committed, seconds)
+
+
+class DraftTreeCandidates:
+    """A draft tree per row (`draft_tree`), grown within the budget the call measures; the chain alone when no tree
+    grew beyond it, and for plain steps."""
+
+    def __init__(self, chain: DFlashChain, lookups: Lookups) -> None:
+        self.chain, self.lookups, self.search = chain, lookups, DraftTreeSearch()
+
+    def propose(self, state: ActiveRows, block: int, block_pos: torch.LongTensor) -> Proposal:
+        if block == 1:
+            return self.chain.propose(state, block, block_pos)
+        lookups = self.lookups.continuations(state.rows, block) or [[] for _ in state.rows]
+        with self.chain.timer:
+            draft_logits, hidden_states = self.chain.slots(state, block, block_pos)
+            draft_logits, _ = finite_slots(draft_logits)
+            candidates = self.chain.choice.slot_candidates(draft_logits, hidden_states)
+            trees = self.search.grow(state.anchors.tolist(), candidates, block - 1, lookups)
+        if all(len(tree) == block for tree in trees):
+            chains = torch.tensor([tree.tokens[1:] for tree in trees], dtype=torch.long, device=block_pos.device)
+            return Proposal(block, chains, draft_trees=trees)
+        return Proposal(block, trees=pack_trees(trees, block_pos.device), draft_trees=trees)
+
+    def observe(self, proposal: Proposal, verdict: Verdict, committed: float, seconds: float) -> None:
+        if proposal.draft_trees is not None:
+            accepted = verdict.node_accepted
+            if accepted is None:  # verified as the chain: its nodes up to the accepted ones
+                accepted = torch.arange(proposal.block, device=verdict.accepted.device) <= verdict.accepted[:, None]
+            self.search.observe(proposal.draft_trees, accepted.tolist())
+        self.search.budget.observe(proposal.width, committed, seconds)
+
+
+def candidate_source(plan: CandidatePlan, chain: DFlashChain, lookups: Lookups) -> CandidateSource:
+    """The source `plan` chose."""
+    if plan.source == "tree":
+        return DraftTreeCandidates(chain, lookups)
+    if plan.source == "dflash+lookup":
+        return LookupBranch(chain, lookups)
+    return chain

@@ -1,0 +1,90 @@
+"""Verification: one target forward over a cycle's candidates, and the target's verdict on them.
+
+The chain is verified by a causal forward over `[anchor, drafts]` (greedy prefix match or rejection sampling, through
+the call's `token_choice.TokenChoice`); trees by a forward over their nodes with an ancestor mask, each row keeping its
+longest accepted path (`tree`). In reduced precision on CPU the forward runs row-exact (`target.row_exact`) so that
+every token gets the bits a one-token step gives it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import DynamicCache
+
+from ..runtime import Stopwatch
+from ..target import row_exact
+from ..target.adapter import TargetAdapter
+from ..target.windows import sliding_window_of
+from .candidates import Proposal, Verdict
+from .rows import ActiveRows, mask_or_none
+from .token_choice import TokenChoice
+from .tree import accept_tree, ancestor_mask, tree_attention_mask, tree_path
+
+
+def row_exact_verification(target: PreTrainedModel, verify_width: int) -> bool:
+    """Whether verify forwards must run row-exact (a bf16/fp16 target on CPU, see `row_exact`); warns once if that
+    cannot be made bit-exact on this machine."""
+    exact = row_exact.install_if_needed(target, verify_width)
+    if exact is False:
+        warnings.warn(
+            f"Verifying {verify_width}-token blocks in {str(target.dtype).replace('torch.', '')} on this CPU does not "
+            "give every token the bits a one-token step gives it, so greedy outputs may drift from plain greedy "
+            "decoding: load the target in float32 for exact outputs (or use `sdpa` attention, which dflash-hf can "
+            "make row-exact).",
+            stacklevel=5,
+        )
+    return bool(exact)
+
+
+class Verifier:
+    """The verify forwards of one call, on its target cache; `verify_width` is the widest verify it will run."""
+
+    def __init__(
+        self, adapter: TargetAdapter, cache: DynamicCache, choice: TokenChoice, verify_width: int, timer: Stopwatch
+    ) -> None:
+        self.adapter, self.cache, self.choice, self.timer = adapter, cache, choice, timer
+        self.row_exact = row_exact_verification(adapter.target, verify_width)
+        self.sliding_window = sliding_window_of(adapter.target.config)
+
+    def verify(self, state: ActiveRows, block_pos: torch.LongTensor, proposal: Proposal) -> Verdict:
+        """The target's verdict on `proposal`, whose candidates enter the target cache (the caller keeps the path)."""
+        with self.timer, row_exact.verification(self.row_exact):
+            if proposal.trees is None:
+                return self._chain(state, block_pos, proposal)
+            return self._trees(state, block_pos, proposal)
+
+    def _chain(self, state: ActiveRows, block_pos: torch.LongTensor, proposal: Proposal) -> Verdict:
+        block_ids = torch.cat([state.anchors[:, None], proposal.tokens], dim=1)
+        mask = mask_or_none(state.mask, block_ids.shape[1])
+        step = self.adapter.forward(block_ids, mask, block_pos, self.cache)
+        target_logits = self.adapter.logits(step.last_hidden_state)
+        accepted, next_tokens = self.choice.accept(
+            target_logits, block_ids, proposal.tokens, proposal.probs, state.rows
+        )
+        kept = (accepted + 1).tolist()
+        return Verdict(accepted, next_tokens, step, proposal.tokens, [proposal.block] * len(kept), kept)
+
+    def _trees(self, state: ActiveRows, block_pos: torch.LongTensor, proposal: Proposal) -> Verdict:
+        trees = proposal.trees
+        positions = block_pos[:, :1] + trees.depths
+        dtype = self.adapter.embed_tokens.weight.dtype
+        mask = tree_attention_mask(state.mask, ancestor_mask(trees.parents), dtype, positions, self.sliding_window)
+        step = self.adapter.forward(trees.ids, mask, positions, self.cache)
+        target_tokens = self.choice.node_tokens(self.adapter.logits(step.last_hidden_state), state.rows)
+        result = accept_tree(trees.ids, trees.parents, trees.depths, trees.valid, target_tokens)
+        order = tree_path(trees.parents, result.best, result.accepted, int(result.accepted.max()) + 1)
+        block_kept = result.node_accepted[:, 1 : proposal.block].sum(dim=1) + 1
+        return Verdict(
+            accepted=result.accepted,
+            next_tokens=result.next_token,
+            step=step,
+            path=trees.ids.gather(1, order)[:, 1:],
+            widths=trees.valid.sum(dim=1).tolist(),
+            block_kept=block_kept.tolist(),
+            order=order,
+            node_accepted=result.node_accepted,
+            lookup_won=trees.from_lookup.gather(1, result.best[:, None]).squeeze(1).tolist(),
+        )
