@@ -3,7 +3,7 @@
 While the target generates a batch, forward hooks on its tapped layers and its final norm record what each forward
 computes: the prompt in the prefill, then one position per decode step. Each row's features are cut out of those
 outputs (left padding and finished rows dropped) and written as one shard per make-data part, in the folder format of
-`dflash-hf cache-features` (`dflash_hf.data.features`), so training reads them with `features="offline"`.
+`dflash-hf cache-features` (`dflash_hf.data.feature_index`), so training reads them with `features="offline"`.
 
 The last token of a row (its end-of-turn token, or the last one `max_new_tokens` allowed) is never fed to the target
 during generation, so its features are stored as zeros: no block's context or distillation teacher reaches the last

@@ -71,14 +71,7 @@ def cache_features(
     """
     from ..target.adapter import TargetAdapter
 
-    if max_length < 2:
-        raise ValueError(f"max_length must be >= 2, got {max_length}.")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
-    if "input_ids" not in dataset.column_names:
-        raise ValueError(f"The dataset has no `input_ids` column (columns: {dataset.column_names}).")
-    if not 0 <= first_row < len(dataset):
-        raise ValueError(f"first_row must be in 0..{len(dataset) - 1} (the dataset's rows), got {first_row}.")
+    _check_cache_arguments(dataset, max_length, batch_size, first_row)
     adapter = TargetAdapter(target, list(target_layer_ids))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -100,6 +93,18 @@ def cache_features(
                 writer.flush(row)
         writer.flush(row)
     return writer.index
+
+
+def _check_cache_arguments(dataset, max_length: int, batch_size: int, first_row: int) -> None:
+    """Raise a `ValueError` for [`cache_features`] arguments it cannot honour, before anything is written."""
+    if max_length < 2:
+        raise ValueError(f"max_length must be >= 2, got {max_length}.")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+    if "input_ids" not in dataset.column_names:
+        raise ValueError(f"The dataset has no `input_ids` column (columns: {dataset.column_names}).")
+    if not 0 <= first_row < len(dataset):
+        raise ValueError(f"first_row must be in 0..{len(dataset) - 1} (the dataset's rows), got {first_row}.")
 
 
 def features_folders(features_dir: str | os.PathLike | list) -> list[Path]:
