@@ -115,7 +115,7 @@ class TimedForwards:
                 noise_embeds=adapter.embed(ids),
                 context_hidden_states=context_hidden_states,
                 position_ids=torch.arange(start, start + known + block, device=device)[None],
-                past_key_values=draft_cache,
+                cache=draft_cache,
             )
             truncate_cache(draft_cache, start + known)
             adapter.logits(out.last_hidden_state[:, 1:], draft_ids)

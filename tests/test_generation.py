@@ -161,6 +161,17 @@ def test_streamer_receives_exactly_the_generated_tokens():
     assert recorder.chunks[0] == input_ids[0].tolist()  # the prompt first, as with model.generate
     assert sum(recorder.chunks[1:], []) == reference[0, 7:].tolist()
     assert all(len(chunk) == 1 for chunk in recorder.chunks[1:])  # one token per step, as with model.generate
+    # through `target.generate(custom_generate=...)`, which does not hand the callable its streamer
+    through_generate = Recorder()
+    target.generate(
+        input_ids,
+        max_new_tokens=MAX_NEW,
+        do_sample=False,
+        custom_generate=dflash_hf.custom_generate,
+        drafter=oracle,
+        streamer=through_generate,
+    )
+    assert through_generate.ended and through_generate.chunks == recorder.chunks
 
 
 def test_generated_token_equal_to_mask_id_comes_through():
@@ -175,14 +186,24 @@ def test_generated_token_equal_to_mask_id_comes_through():
     assert torch.equal(_native(target, drafter, input_ids), reference)
 
 
-def test_spec_generate_method_matches_function():
+def test_spec_generate_is_the_native_path_called_the_official_way():
+    """`drafter.spec_generate`, the official checkpoints' call, runs Transformers' native path: plain greedy decoding's
+    tokens, stopping at `stop_token_ids`."""
     target = make_target("qwen3")
     drafter = make_drafter(target)
     input_ids = _prompt(8, 5)
-    assert torch.equal(
-        drafter.spec_generate(target, input_ids, max_new_tokens=10),
-        dflash_hf.generate(target, drafter, input_ids, max_new_tokens=10),
+    reference = greedy_reference(target, input_ids, max_new_tokens=MAX_NEW)
+    assert torch.equal(drafter.spec_generate(target, input_ids, max_new_tokens=MAX_NEW), reference)
+    assert torch.equal(_native(target, drafter, input_ids), reference)
+
+    stop = int(reference[0, input_ids.shape[1] + 5])
+    end = input_ids.shape[1] + reference[0, input_ids.shape[1] :].tolist().index(stop) + 1
+    official = drafter.spec_generate(
+        input_ids=input_ids, max_new_tokens=MAX_NEW, temperature=0.0, target=target, stop_token_ids=[stop]
     )
+    assert official[0].tolist() == reference[0, :end].tolist()
+    with pytest.raises(ValueError, match="temperature"):
+        drafter.spec_generate(target, input_ids, temperature=-1.0)
 
 
 def test_mistral_targets_are_lossless():

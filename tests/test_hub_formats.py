@@ -22,7 +22,8 @@ from dflash_hf import DFlashDraftModel
 BASE_MODEL = "Qwen/Qwen3-8B"
 
 # Runs in a separate interpreter (`python -I`, clean cwd) where `dflash_hf` cannot be imported: loads each folder with
-# AutoModel + trust_remote_code, runs the saved inputs and saves the outputs, or records why loading failed.
+# AutoModel + trust_remote_code, runs the saved inputs and `spec_generate` with the saved target and saves the outputs,
+# or records why loading failed.
 STANDALONE_SCRIPT = r"""
 import importlib.abc, json, sys
 
@@ -41,11 +42,13 @@ else:
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModel
+from transformers import AutoModel, AutoModelForCausalLM
 
-inputs_path, num_threads, *folders = sys.argv[1:]
+inputs_path, num_threads, target_folder, max_new_tokens, *folders = sys.argv[1:]
 torch.set_num_threads(int(num_threads))
 inputs = load_file(inputs_path)
+prompt = inputs.pop("prompt")
+target = AutoModelForCausalLM.from_pretrained(target_folder).eval()
 report = {}
 for folder in folders:
     try:
@@ -56,9 +59,13 @@ for folder in folders:
     report[folder] = type(model).__module__
     with torch.no_grad():
         out = model(**inputs).last_hidden_state
-    save_file({"last_hidden_state": out.contiguous()}, folder + ".out.safetensors")
+    generated = model.spec_generate(target, prompt, max_new_tokens=int(max_new_tokens))
+    save_file({"last_hidden_state": out.contiguous(), "generated": generated}, folder + ".out.safetensors")
 print(json.dumps(report))
 """
+
+
+SPEC_TOKENS = 12
 
 
 def drafter_inputs(config, seed: int = 0, n_ctx: int = 5) -> dict[str, torch.Tensor]:
@@ -104,7 +111,8 @@ def test_remote_code_imports_only_torch_and_transformers(qwen_pair, tmp_path):
 
 def test_exported_drafter_loads_without_dflash_hf(qwen_pair, tmp_path):
     """Both export formats load with AutoModel + trust_remote_code in a process that cannot import dflash_hf, and give
-    bit-identical outputs; a folder whose remote code imports dflash_hf fails there (so the isolation is real)."""
+    bit-identical outputs and `spec_generate` plain greedy decoding's tokens; a folder whose remote code imports
+    dflash_hf fails there (so the isolation is real)."""
     target, drafter = qwen_pair
     folders = {
         fmt: dflash_hf.export(drafter, tmp_path / fmt, target=target, base_model=BASE_MODEL, format=fmt)
@@ -116,13 +124,15 @@ def test_exported_drafter_loads_without_dflash_hf(qwen_pair, tmp_path):
     modeling.write_text("import dflash_hf\n" + modeling.read_text())
 
     inputs = drafter_inputs(drafter.config)
-    save_file(inputs, tmp_path / "inputs.safetensors")
+    prompt = torch.tensor([[5, 9, 14, 3, 27]])
+    save_file({**inputs, "prompt": prompt}, tmp_path / "inputs.safetensors")
+    target.save_pretrained(tmp_path / "target")
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1")
     run_dir = tmp_path / "clean_cwd"
     run_dir.mkdir()
     # one thread on both sides: multi-threaded CPU kernels may split reductions differently in another process
-    args = [str(tmp_path / "inputs.safetensors"), "1"]
+    args = [str(tmp_path / "inputs.safetensors"), "1", str(tmp_path / "target"), str(SPEC_TOKENS)]
     args += [str(folders["dflash-hf"]), str(folders["official"]), str(tampered)]
     result = subprocess.run(
         [sys.executable, "-I", "-c", STANDALONE_SCRIPT, *args],
@@ -139,12 +149,14 @@ def test_exported_drafter_loads_without_dflash_hf(qwen_pair, tmp_path):
     torch.set_num_threads(1)
     try:
         expected = forward(drafter, inputs)
+        greedy = target.generate(prompt, max_new_tokens=SPEC_TOKENS, do_sample=False)
     finally:
         torch.set_num_threads(num_threads)
     for fmt, folder in folders.items():
         assert report[str(folder)].startswith("transformers_modules"), report[str(folder)]
-        got = load_file(str(folder) + ".out.safetensors")["last_hidden_state"]
-        assert torch.equal(got, expected), fmt
+        got = load_file(str(folder) + ".out.safetensors")
+        assert torch.equal(got["last_hidden_state"], expected), fmt
+        assert torch.equal(got["generated"], greedy), fmt
     assert report[str(tampered)].startswith("load failed"), report[str(tampered)]
     assert "dflash_hf" in report[str(tampered)]
 

@@ -1,6 +1,7 @@
 """The library's import layers, read from the source with `ast` (imports inside functions included): no module imports
-itself back through others, and the ground floor (the target model, the runtime, the file helpers, the drafter's
-modeling code) imports nothing above it."""
+itself back through others, the ground floor (the target model, the runtime, the file helpers, the Transformers-version
+differences, the drafter's modeling code) imports nothing above it, and the drafter's modeling code, shipped alone in
+every checkpoint, nothing of the package outside it."""
 
 from __future__ import annotations
 
@@ -17,10 +18,14 @@ PACKAGES = {
     "trainers": "dflash_hf.trainers",
     "hub_cards": "dflash_hf.hub_cards",
 }
-GROUND_FLOOR = ("dflash_hf.target", "dflash_hf.runtime", "dflash_hf.fileio", "dflash_hf.modeling")
-# The one import against the layers: the drafter's remote code, which must load without this package, reaches the
-# package's engine at call time where it is installed (`DFlashDraftModel.spec_generate`, under `except ImportError`).
-OPTIONAL_IMPORTS = {"dflash_hf.modeling.modeling_dflash": {"dflash_hf"}}
+GROUND_FLOOR = (
+    "dflash_hf.target",
+    "dflash_hf.runtime",
+    "dflash_hf.fileio",
+    "dflash_hf.transformers_compat",
+    "dflash_hf.modeling",
+)
+REMOTE_CODE = "dflash_hf.modeling"
 
 
 def module_files() -> dict[str, Path]:
@@ -62,10 +67,7 @@ def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
 @pytest.fixture(scope="module")
 def graph() -> dict[str, set[str]]:
     files = module_files()
-    return {
-        name: imported_modules(name, path, set(files)) - OPTIONAL_IMPORTS.get(name, set())
-        for name, path in files.items()
-    }
+    return {name: imported_modules(name, path, set(files)) for name, path in files.items()}
 
 
 def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
@@ -97,3 +99,13 @@ def test_no_import_cycles(graph):
 def test_the_ground_floor_imports_nothing_above_it(graph):
     upward = {module: sorted(t for t in targets if not on_ground_floor(t)) for module, targets in graph.items()}
     assert {module: targets for module, targets in upward.items() if on_ground_floor(module) and targets} == {}
+
+
+def test_the_remote_code_imports_only_itself(graph):
+    def inside(module: str) -> bool:
+        return module == REMOTE_CODE or module.startswith(f"{REMOTE_CODE}.")
+
+    outside = {
+        module: sorted(t for t in targets if not inside(t)) for module, targets in graph.items() if inside(module)
+    }
+    assert {module: targets for module, targets in outside.items() if targets} == {}

@@ -124,6 +124,40 @@ def test_eager_and_sdpa_agree(padded):
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_hidden_states_and_attentions_as_every_transformers_model():
+    """`output_hidden_states` gives the first layer's input and every layer's output (the last one the normed
+    `last_hidden_state`), `output_attentions` every layer's attention weights (eager), `return_dict=False` a tuple;
+    the output itself stays the same."""
+    target = make_target("qwen3")
+    drafter = make_drafter(target)
+    drafter.config._attn_implementation = "eager"
+    noise, context, positions, mask = _drafter_inputs(drafter, padded=True)
+    plain = drafter(noise, context, positions, mask)
+    out = drafter(noise, context, positions, mask, output_hidden_states=True, output_attentions=True)
+    assert plain.hidden_states is None and plain.attentions is None
+    assert torch.equal(out.last_hidden_state, plain.last_hidden_state)
+
+    layers, (batch, block, _), n_ctx = drafter.config.num_hidden_layers, noise.shape, context.shape[1]
+    assert len(out.hidden_states) == layers + 1 and len(out.attentions) == layers
+    assert torch.equal(out.hidden_states[0], noise)
+    with torch.no_grad():
+        first_layer = drafter.layers[0](
+            noise,
+            context_hidden_states=drafter.fuse_context(context),
+            position_embeddings=drafter.rotary_emb(noise, positions),
+            attention_mask=drafter._attention_mask_for_backend(mask, block, n_ctx + block),
+        )
+    assert torch.equal(out.hidden_states[1], first_layer)
+    assert torch.equal(out.hidden_states[-1], out.last_hidden_state)
+    for weights in out.attentions:
+        assert weights.shape == (batch, drafter.config.num_attention_heads, block, n_ctx + block)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]))
+        assert not weights[0, :, :, :3].any()  # the padded context keys of row 0
+
+    as_tuple = drafter(noise, context, positions, mask, return_dict=False)
+    assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], plain.last_hidden_state)
+
+
 def test_padding_mask_hides_padded_context():
     target = make_target("llama")
     drafter = make_drafter(target)
@@ -157,17 +191,15 @@ def test_draft_cache_holds_exactly_the_committed_context(family):
     original = drafter.forward
 
     def recording_forward(
-        noise_embeds, context_hidden_states=None, position_ids=None, attention_mask=None, past_key_values=None, **kwargs
+        noise_embeds, context_hidden_states=None, position_ids=None, attention_mask=None, cache=None, **kwargs
     ):
         snapshot = [
             (layer.keys.clone(), layer.values.clone())
-            for layer in past_key_values.layers
+            for layer in cache.layers
             if getattr(layer, "keys", None) is not None
         ]
-        calls.append((snapshot, past_key_values.get_seq_length(), context_hidden_states.shape[1]))
-        return original(
-            noise_embeds, context_hidden_states, position_ids, attention_mask, past_key_values=past_key_values, **kwargs
-        )
+        calls.append((snapshot, cache.get_seq_length(), context_hidden_states.shape[1]))
+        return original(noise_embeds, context_hidden_states, position_ids, attention_mask, cache=cache, **kwargs)
 
     drafter.forward = recording_forward
     input_ids = torch.randint(3, 64, (1, 10), generator=torch.Generator().manual_seed(0))
@@ -188,7 +220,7 @@ def test_draft_cache_holds_exactly_the_committed_context(family):
     features = torch.cat([hidden[i + 1] for i in drafter.config.target_layer_ids], dim=-1)
     fresh = DynamicCache()
     block = torch.zeros(1, 2, drafter.config.hidden_size)
-    original(block, features, torch.arange(final_length + 2)[None], past_key_values=fresh)
+    original(block, features, torch.arange(final_length + 2)[None], cache=fresh)
     assert len(snapshot) == len(fresh.layers)
     for (keys, values), layer_fresh in zip(snapshot, fresh.layers):
         assert keys.shape[2] == final_length  # no block K/V left behind
@@ -271,6 +303,19 @@ def test_native_path_batch_is_refused():
     noise, context, positions, _ = _drafter_inputs(drafter, padded=False)
     with pytest.raises(ValueError, match="dflash_hf.generate"):
         drafter(noise, context, positions, cache=DFlashCache(config=drafter.config))
+
+
+def test_the_cache_is_taken_by_either_name():
+    """`cache`, and `past_key_values` (the name Transformers 5.23's native path passes it by), never both."""
+    drafter = make_drafter(make_target("llama"))
+    noise, context, positions, _ = _drafter_inputs(drafter, batch=1, padded=False)
+    by_name = {}
+    for name in ("cache", "past_key_values"):
+        by_name[name] = DynamicCache()
+        drafter(noise, context, positions, **{name: by_name[name]})
+    assert by_name["cache"].get_seq_length() == by_name["past_key_values"].get_seq_length() == positions.shape[1]
+    with pytest.raises(ValueError, match="both `cache` and `past_key_values`"):
+        drafter(noise, context, positions, cache=DynamicCache(), past_key_values=DynamicCache())
 
 
 def test_assistant_model_without_speculation_type():

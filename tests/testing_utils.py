@@ -139,19 +139,10 @@ class OracleDrafter(DFlashDraftModel):
         context_hidden_states=None,
         position_ids=None,
         attention_mask=None,
-        past_key_values=None,
         cache=None,
         **kwargs,
     ):
-        out = super().forward(
-            noise_embeds,
-            context_hidden_states,
-            position_ids,
-            attention_mask,
-            past_key_values=past_key_values,
-            cache=cache,
-            **kwargs,
-        )
+        out = super().forward(noise_embeds, context_hidden_states, position_ids, attention_mask, cache=cache, **kwargs)
         block = noise_embeds.shape[1]
         embed_table = self._embed_table
         anchor_ids = (noise_embeds[:, 0, None, :] - embed_table[None]).abs().sum(-1).argmin(-1)

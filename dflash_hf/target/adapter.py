@@ -12,7 +12,6 @@ final normed hidden state (as in Transformers' native DFlash path).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import threading
 import warnings
 from collections import OrderedDict
@@ -25,6 +24,7 @@ from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache
 
 from ..modeling import DFlashDraftModel
+from ..transformers_compat import cache_keyword
 from . import row_exact
 from .grouped_attention import grouped_attention, uses_grouped_attention
 from .support import check_built_for, check_supported
@@ -156,8 +156,7 @@ class TargetAdapter:
         self._hidden_state_indices = [i + 1 for i in self.target_layer_ids]
         self._head_rows_key: tuple | None = None
         self._head_rows_cache: torch.Tensor | None = None
-        params = inspect.signature(self.base_model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._cache_kwarg = cache_keyword(self.base_model.forward)
 
     @classmethod
     def for_drafter(cls, target: PreTrainedModel, drafter: DFlashDraftModel) -> "TargetAdapter":

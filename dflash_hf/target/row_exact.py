@@ -25,7 +25,6 @@ The cure here is in two parts:
 from __future__ import annotations
 
 import contextlib
-import inspect
 import threading
 import weakref
 
@@ -35,6 +34,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from ..transformers_compat import cache_keyword
 from .attention_registry import SdpaVariant
 from .windows import sliding_window_of
 
@@ -238,7 +238,7 @@ def block_rows_match_decode(target: PreTrainedModel, block_size: int, context: i
     generator = torch.Generator().manual_seed(seed)
     vocab = int(target.get_input_embeddings().weight.shape[0])
     ids = torch.randint(0, vocab, (1, context + block_size), generator=generator).to(target.device)
-    cache_kwarg = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+    cache_kwarg = cache_keyword(target.forward)
 
     def prefilled(cache: DynamicCache) -> DynamicCache:
         target(ids[:, :context], use_cache=True, **{cache_kwarg: cache})

@@ -15,8 +15,10 @@ and project `last_hidden_state` with the target's LM head. An optional Markov he
 adds to each slot's logits a low-rank correction keyed on the token before the slot (`DFlashMarkovHead`).
 
 This file ships inside every Hub checkpoint as remote code: it imports only torch, transformers and
-`configuration_dflash` (relatively); `spec_generate` alone calls into the dflash-hf package, when called. It is one
-file, as Transformers' own modeling files are: a Hub checkpoint's reader sees the whole model in one place.
+`configuration_dflash` (relatively), never the dflash-hf package. It is one file, as Transformers' own modeling files
+are: a Hub checkpoint's reader sees the whole model in one place. What differs between the Transformers versions it
+supports is in one block below ("Transformers versions"); the package's own differences are in
+`dflash_hf/transformers_compat.py`.
 """
 
 from __future__ import annotations
@@ -33,15 +35,35 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.configuration_utils import PreTrainedConfig
+from transformers.modeling_flash_attention_utils import FlashAttentionKwargs
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_dflash import DFlashConfig
 
-# The output's cache field is `cache` from Transformers 5.24 on, `past_key_values` before.
+# --- Transformers versions ----------------------------------------------------------------------------------------
+# Everything this file does differently across the Transformers versions it supports (5.23 and 5.24) is in this block.
+
+# Model outputs name their cache `cache` from Transformers 5.24 on, `past_key_values` in 5.23.
 _OUTPUT_CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def _cache_argument(cache: Cache | None, kwargs: dict) -> Cache | None:
+    """The cache a forward was given: as `cache`, or as `past_key_values` (Transformers 5.23's native DFlash path
+    passes it by that name), which is taken out of `kwargs` so that it goes no further down."""
+    legacy = kwargs.pop("past_key_values", None)
+    if cache is not None and legacy is not None:
+        raise ValueError("The drafter got both `cache` and `past_key_values`: pass its cache once, as `cache`.")
+    return legacy if cache is None else cache
+
+
+# --- The model ----------------------------------------------------------------------------------------------------
 
 
 class DFlashRMSNorm(nn.Module):
@@ -143,7 +165,7 @@ def eager_attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float,
     dropout: float = 0.0,
-    **kwargs,
+    **kwargs: Unpack[TransformersKwargs],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain softmax attention; `attention_mask` is boolean (True = attend) or additive float."""
     key_states = repeat_kv(key, module.num_key_value_groups)
@@ -194,7 +216,7 @@ class DFlashAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
-        **kwargs,
+        **kwargs: Unpack[FlashAttentionKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, q_len, _ = hidden_states.shape
         kv_input = hidden_states
@@ -226,7 +248,6 @@ class DFlashAttention(nn.Module):
             attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling,
-            is_causal=False,
             **kwargs,
         )
         attn_output = attn_output.reshape(batch, q_len, -1).contiguous()
@@ -264,7 +285,7 @@ class DFlashDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         residual = hidden_states
         hidden_states, _ = self.self_attn(
@@ -343,6 +364,9 @@ class DFlashPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+    # `output_hidden_states` / `output_attentions`: the input of the first layer and each layer's output (the last one
+    # replaced by the normed `last_hidden_state`), and each layer's attention weights (`eager` computes them)
+    _can_record_outputs = {"hidden_states": DFlashDecoderLayer, "attentions": DFlashAttention}
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
@@ -591,17 +615,18 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             return None
         return keep[:, None, None, :].expand(-1, 1, q_len, -1)
 
+    @merge_with_config_defaults
+    @capture_outputs
     def forward(
         self,
         noise_embeds: torch.Tensor,
         context_hidden_states: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
         cache: Cache | None = None,
         use_cache: bool | None = None,
         previous_token_ids: torch.LongTensor | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> DFlashModelOutput:
         r"""
         Args:
@@ -615,15 +640,19 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             attention_mask (`torch.Tensor`, *optional*):
                 2D padding mask over all keys (`cached + n_ctx + block`), or a ready 4D mask (boolean, True = attend,
                 or additive) of shape `(batch, 1, block, keys)`, or a backend object such as a flex `BlockMask`.
-            past_key_values / cache (`Cache`, *optional*):
-                Cache of context keys/values (stored rotated). Both names are accepted (Transformers 5.23 passes
-                `past_key_values`, 5.24 `cache`). The block's keys/values are appended too; the caller removes them.
+            cache (`Cache`, *optional*):
+                Cache of context keys/values (stored rotated); also accepted as `past_key_values`, the name
+                Transformers 5.23's native DFlash path passes it by. The block's keys/values are appended too; the
+                caller removes them.
             previous_token_ids (`torch.LongTensor` of shape `(batch, block)`, *optional*):
                 For a drafter with a Markov head: the token before each block slot (target ids); the output's
                 `markov_bias` is then the head's correction of every slot's logits (training feeds the true tokens).
+            kwargs (`TransformersKwargs`, *optional*):
+                As for every Transformers model: `output_hidden_states` and `output_attentions` return the layers'
+                hidden states and attention weights, `return_dict=False` a tuple; the rest reaches the attention
+                backend.
         """
-        if cache is None:
-            cache = past_key_values
+        cache = _cache_argument(cache, kwargs)
         if use_cache and cache is None:
             cache = DynamicCache()
         batch, block_len, _ = noise_embeds.shape
@@ -686,17 +715,35 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         """A DFlash drafter cannot generate on its own; see the error message for the two supported call forms."""
         raise DFlashNotAnAssistantError(_NOT_AN_ASSISTANT)
 
-    def spec_generate(self, target: PreTrainedModel, input_ids: torch.LongTensor, **kwargs):
-        """Speculative generation with this drafter and `target`; see `dflash_hf.generate` (needs `dflash_hf`)."""
-        # a method for the package's users, imported at call time: loading a checkpoint needs only torch + transformers
-        try:
-            from dflash_hf import generate as dflash_generate
-        except ImportError as err:  # remote-code users without the package
-            raise ImportError(
-                "`spec_generate` runs the dflash-hf engine: `pip install dflash-hf`, or use the dependency-free "
-                'native path `target.generate(**inputs, assistant_model=drafter, speculation_type="dflash")`.'
-            ) from err
-        return dflash_generate(target, self, input_ids, **kwargs)
+    def spec_generate(
+        self,
+        target: PreTrainedModel,
+        input_ids: torch.LongTensor,
+        max_new_tokens: int | None = None,
+        stop_token_ids: list[int] | None = None,
+        temperature: float = 0.0,
+        **kwargs,
+    ) -> torch.LongTensor:
+        """Generate with `target`, this drafter drafting, through Transformers' native DFlash path:
+        `target.generate(input_ids, assistant_model=self, speculation_type="dflash", ...)`. One row; the output is
+        the target's own (token for token when greedy); a Markov head is not used on this path.
+
+        The call of the official DFlash checkpoints' remote code: `temperature` 0 decodes greedily and above 0 samples
+        at that temperature, `stop_token_ids` replace the target's EOS ids, other keywords go to `target.generate`.
+        For batches, the Markov head and adaptive block sizes use the dflash-hf package: `dflash_hf.generate(target,
+        drafter, input_ids)`.
+        """
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
+            raise ValueError(f"temperature must be a number >= 0 (0: greedy), got {temperature!r}.")
+        options: dict = {"do_sample": temperature > 0}
+        if temperature > 0:
+            options["temperature"] = float(temperature)
+        if max_new_tokens is not None:
+            options["max_new_tokens"] = max_new_tokens
+        if stop_token_ids is not None:
+            options["eos_token_id"] = [int(token_id) for token_id in stop_token_ids]
+        options.update(kwargs)
+        return target.generate(input_ids, assistant_model=self, speculation_type="dflash", **options)
 
 
 __all__ = [
