@@ -11,6 +11,9 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from transformers import PreTrainedModel
+from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
+
 
 def cache_keyword(forward: Callable) -> str:
     """The keyword `forward` (a model's forward method) takes its cache by: `cache` from Transformers 5.24 on,
@@ -43,4 +46,25 @@ def streamer_of_calling_generate() -> Any:
         del frame
 
 
-__all__ = ["cache_keyword", "cache_of_call", "streamer_of_calling_generate"]
+def stop_strings_as_criteria(target: PreTrainedModel, kwargs: dict[str, Any]) -> None:
+    """Turn `stop_strings` (with the `tokenizer` in `kwargs`, `model.generate`'s keyword arguments) into a
+    `StopStringCriteria` in `kwargs`, the one `target.generate` builds.
+
+    Transformers 5.23 and 5.24 hand a callable `custom_generate` no `tokenizer`, so `target.generate` called with one
+    could not build the criterion itself and would refuse `stop_strings`.
+    """
+    tokenizer = kwargs.pop("tokenizer", None)
+    if "stop_strings" in kwargs:
+        stop_strings = kwargs["stop_strings"]
+    else:  # a passed config's own, else the target's default (as `target.generate` merges them)
+        passed = getattr(kwargs.get("generation_config"), "stop_strings", None)
+        stop_strings = passed or getattr(target.generation_config, "stop_strings", None)
+    if tokenizer is None or not stop_strings:
+        return
+    criteria = list(kwargs.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    kwargs["stopping_criteria"] = StoppingCriteriaList(criteria)
+    kwargs["stop_strings"] = None  # overrides the configs' stop strings: the criterion above stands for them
+
+
+__all__ = ["cache_keyword", "cache_of_call", "stop_strings_as_criteria", "streamer_of_calling_generate"]

@@ -15,15 +15,15 @@ Entry points:
 
 from __future__ import annotations
 
-import inspect
 import numbers
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.logits_process import LogitsProcessorList
-from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
+from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from ..modeling import DFlashDraftModel
+from ..transformers_compat import stop_strings_as_criteria, streamer_of_calling_generate
 from .acceptance import DEFAULT_SAMPLING_PROPOSAL
 from .block_size import BlockSizePolicy
 from .checks import (
@@ -38,44 +38,6 @@ from .output import DFlashGenerateOutput
 from .tree import DEFAULT_CANDIDATES
 
 __all__ = ["DFlashGenerateOutput", "custom_generate", "generate"]
-
-
-def _streamer_of_calling_generate():
-    """The `streamer` given to the `model.generate` call that invoked `custom_generate`.
-
-    Transformers 5.23/5.24 hand a callable `custom_generate` only the keyword arguments its own signature adds, so a
-    `streamer=` passed to `generate` reaches the prompt (`generate` streams it itself) but not the callable. Reading it
-    from the calling `generate` frame keeps `target.generate(..., custom_generate=..., streamer=s)` meaningful.
-    """
-    frame = inspect.currentframe()
-    try:
-        caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
-        if caller is None or caller.f_code.co_name != "generate":
-            return None
-        candidate = caller.f_locals.get("streamer")
-        return candidate if hasattr(candidate, "put") and hasattr(candidate, "end") else None
-    finally:
-        del frame
-
-
-def _stop_strings_as_criteria(target: PreTrainedModel, kwargs: dict) -> None:
-    """Turn `stop_strings` (with the `tokenizer` in `kwargs`) into a `StopStringCriteria` in `kwargs`.
-
-    Transformers hands a callable `custom_generate` no `tokenizer`, so `target.generate` could not build the stop-string
-    criterion itself and would refuse `stop_strings`; the criterion built here is the one it builds.
-    """
-    tokenizer = kwargs.pop("tokenizer", None)
-    if "stop_strings" in kwargs:
-        stop_strings = kwargs["stop_strings"]
-    else:  # a passed config's own, else the target's default (as `target.generate` merges them)
-        passed = getattr(kwargs.get("generation_config"), "stop_strings", None)
-        stop_strings = passed or getattr(target.generation_config, "stop_strings", None)
-    if tokenizer is None or not stop_strings:
-        return
-    criteria = list(kwargs.get("stopping_criteria") or [])
-    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
-    kwargs["stopping_criteria"] = StoppingCriteriaList(criteria)
-    kwargs["stop_strings"] = None  # overrides the configs' stop strings: the criterion above stands for them
 
 
 def custom_generate(
@@ -121,7 +83,7 @@ def custom_generate(
     longest = input_ids.shape[1] if attention_mask is None else int(attention_mask.sum(-1).max())
     check_context_length(model, longest, int(generation_config.max_length) - input_ids.shape[1])
     if streamer is None:
-        streamer = _streamer_of_calling_generate()
+        streamer = streamer_of_calling_generate()
     decoder = GenerationCall(
         target=model,
         drafter=drafter,
@@ -180,7 +142,7 @@ def generate(
     """
     check_prompt_is_token_ids(kwargs)
     input_ids, attention_mask = check_inputs(target, input_ids, attention_mask)
-    _stop_strings_as_criteria(target, kwargs)
+    stop_strings_as_criteria(target, kwargs)
     max_new_tokens = kwargs.get("max_new_tokens")
     if max_new_tokens is not None and (
         isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0
