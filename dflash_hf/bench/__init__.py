@@ -1,7 +1,8 @@
 """Benchmark DFlash against its peers on one target, one drafter and one prompt set, in one process.
 
-`methods` defines what is compared and how each method is measured, `run` decodes and compares, `report` writes
-`bench.json`, `bench.md` and the plots. How every number is derived: docs/design.md, "Benchmark".
+`methods` defines what is compared (one row each) and how each method is measured (`target_watch` for
+Transformers' own), `run` decodes, `results` compares and sums up, `report` writes `bench.json` and `bench.md`, `plots`
+the plots. How every number is derived: docs/design.md, "Benchmark".
 
     >>> from dflash_hf import bench
     >>> from dflash_hf.bench import load_bench_prompts
@@ -21,29 +22,27 @@ from .methods import (
     sampling_methods,
     widest_verify,
 )
+from .plots import PLOT_NAMES, write_plots
 from .prompts import PROMPT_SETS, BenchPrompt, load_bench_prompts
 from .report import (
     JSON_NAME,
     MARKDOWN_NAME,
-    PLOT_NAMES,
     benchmark_table,
     card_metrics,
     llama_cpp_table,
     markdown_table,
     render_markdown,
     write_outputs,
-    write_plots,
 )
-from .run import (
+from .results import (
     BENCH_FORMAT,
     BenchResult,
     MethodResult,
     MethodSummary,
     Mismatch,
     PromptResult,
-    hardware_info,
-    run_bench,
 )
+from .run import hardware_info, run_bench
 
 __all__ = [
     "BENCH_FORMAT",

@@ -11,9 +11,8 @@ number is derived.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -187,9 +186,10 @@ def default_methods(
     if prompt_lookup_num_tokens < 1:
         raise ValueError(f"prompt_lookup_num_tokens must be >= 1, got {prompt_lookup_num_tokens}.")
     sizes = _checked_sizes(drafter, block_sizes, lookup_tokens)
-    return _transformers_methods(target, drafter, prompt_lookup_num_tokens) + _engine_methods(
-        target, drafter, sizes, adaptive, lookup_branch, [int(n) for n in lookup_tokens], draft_tree
-    )
+    trained = int(drafter.config.block_size)
+    rows = _transformers_rows(uses_engine_kernels(target), trained, prompt_lookup_num_tokens)
+    rows += _engine_rows(sizes, trained, adaptive, lookup_branch, [int(n) for n in lookup_tokens], draft_tree)
+    return [_method(target, drafter, row) for row in rows]
 
 
 def drafter_methods(
@@ -205,10 +205,12 @@ def drafter_methods(
     """The engine rows of [`default_methods`] for a further drafter, named `<row>@<tag>` and labelled `<label>
     [<tag>]`, each compared with the run's plain greedy: several drafters side by side in one run."""
     sizes = _checked_sizes(drafter, block_sizes, lookup_tokens)
-    methods = _engine_methods(
-        target, drafter, sizes, adaptive, lookup_branch, [int(n) for n in lookup_tokens], draft_tree
+    rows = _engine_rows(
+        sizes, int(drafter.config.block_size), adaptive, lookup_branch, [int(n) for n in lookup_tokens], draft_tree
     )
-    return [dataclasses.replace(m, name=f"{m.name}@{tag}", label=f"{m.label} [{tag}]") for m in methods]
+    return [
+        _method(target, drafter, replace(row, name=f"{row.name}@{tag}", label=f"{row.label} [{tag}]")) for row in rows
+    ]
 
 
 def _checked_sizes(drafter: DFlashDraftModel, block_sizes: Sequence[int], lookup_tokens: Sequence[int]) -> list[int]:
@@ -253,150 +255,137 @@ def widest_verify(
     return max(widths)
 
 
-def _transformers_methods(
-    target: PreTrainedModel, drafter: DFlashDraftModel, prompt_lookup_num_tokens: int
-) -> list[BenchMethod]:
-    """Plain greedy (also with the engine's kernels where it uses any), prompt lookup and Transformers' DFlash."""
-    trained = int(drafter.config.block_size)
-    methods = [
-        BenchMethod("greedy", "plain greedy", _transformers_runner(target), "target.generate(do_sample=False)"),
-    ]
-    if uses_engine_kernels(target):
-        methods.append(
-            BenchMethod(
-                "greedy_engine_kernels",
-                "plain greedy, engine kernels",
-                _transformers_runner(target, with_engine_kernels=True),
-                "target.generate(do_sample=False) with the engine's kernels (prepacked LM head)",
-            )
-        )
-    methods += [
-        BenchMethod(
-            "prompt_lookup",
-            f"prompt lookup (k={prompt_lookup_num_tokens})",
-            _transformers_runner(target, prompt_lookup_num_tokens=prompt_lookup_num_tokens),
-            f"target.generate(prompt_lookup_num_tokens={prompt_lookup_num_tokens})",
-        ),
-        BenchMethod(
-            "native_dflash",
-            f"Transformers DFlash (B={trained})",
-            _transformers_runner(target, drafter, assistant_model=drafter, speculation_type="dflash"),
-            'target.generate(assistant_model=drafter, speculation_type="dflash")',
-            block_size=trained,
-        ),
-    ]
-    return methods
-
-
-def _engine_methods(
-    target: PreTrainedModel,
-    drafter: DFlashDraftModel,
-    sizes: list[int],
-    adaptive: bool,
-    lookup_branch: bool,
-    lookup_tokens: list[int],
-    draft_tree: bool = False,
-) -> list[BenchMethod]:
-    """Our engine at each fixed block size, with the adaptive policy, then at the smallest size with a lookup branch
-    (of the default length, then of each of `lookup_tokens`), then with a draft tree at the smallest and the largest
-    size."""
-    trained = int(drafter.config.block_size)
-    methods = [
-        BenchMethod(
-            f"dflash_b{size}",
-            f"dflash-hf B={size}",
-            _engine_runner(target, drafter, size, candidates="dflash"),
-            f'dflash_hf.generate(block_size={size}, candidates="dflash")',
-            block_size=size,
-        )
-        for size in sizes
-    ]
-    if adaptive:
-        methods.append(
-            BenchMethod(
-                "dflash_adaptive",
-                f"dflash-hf adaptive (B<={trained})",
-                _engine_runner(target, drafter, "adaptive", candidates="dflash"),
-                'dflash_hf.generate(block_size="adaptive", candidates="dflash")',
-                block_size=trained,
-            )
-        )
-    if lookup_branch and sizes:
-        size = sizes[0]
-        methods.append(
-            BenchMethod(
-                f"dflash_b{size}_lookup",
-                f"dflash-hf B={size} + lookup branch",
-                _engine_runner(target, drafter, size, candidates="dflash+lookup"),
-                f'dflash_hf.generate(block_size={size}, candidates="dflash+lookup")',
-                block_size=size,
-            )
-        )
-        methods += [
-            BenchMethod(
-                f"dflash_b{size}_lookup{length}",
-                f"dflash-hf B={size} + lookup branch (<= {length} tokens)",
-                _engine_runner(target, drafter, size, candidates="dflash+lookup", lookup_tokens=length),
-                f'dflash_hf.generate(block_size={size}, candidates="dflash+lookup", lookup_tokens={length})',
-                block_size=size,
-            )
-            for length in lookup_tokens
-            if length != lookup_branch_length(size)
-        ]
-    if draft_tree:
-        methods += (
-            [
-                BenchMethod(
-                    f"dflash_b{size}_tree",
-                    f"dflash-hf B={size} draft tree",
-                    _engine_runner(target, drafter, size, candidates="tree"),
-                    f'dflash_hf.generate(block_size={size}, candidates="tree")',
-                    block_size=size,
-                )
-                for size in dict.fromkeys([sizes[0], sizes[-1]])
-            ]
-            if sizes
-            else []
-        )
-    return methods
-
-
 def sampling_methods(
     target: PreTrainedModel, drafter: DFlashDraftModel, temperatures: Sequence[float], block_size: int
 ) -> list[BenchMethod]:
     """Sampling rows: per temperature, plain sampling and our engine with each draft proposal (`argmax`, `sample`),
     each engine row compared with plain sampling at the same temperature (no top-k / top-p)."""
-    trained = int(drafter.config.block_size)
-    if not 2 <= int(block_size) <= trained:
+    trained, size = int(drafter.config.block_size), int(block_size)
+    if not 2 <= size <= trained:
         raise ValueError(f"The sampling block size must be in [2, {trained}] (the drafter's), got {block_size}.")
-    methods = []
+    rows = []
     for temperature in temperatures:
         if not temperature > 0:
             raise ValueError(f"Sampling temperatures must be > 0, got {temperature}.")
-        sample = {"do_sample": True, "temperature": float(temperature), "top_k": None, "top_p": None}
-        plain = f"sample_t{temperature:g}"
-        methods.append(
-            BenchMethod(
-                plain,
-                f"plain sampling T={temperature:g}",
-                _transformers_runner(target, **sample),
-                f"target.generate(do_sample=True, temperature={temperature:g})",
-                sampled=True,
-            )
+        t, sample, unfiltered = f"{temperature:g}", {"do_sample": True, "temperature": float(temperature)}, _UNFILTERED
+        rows.append(
+            _Row(f"sample_t{t}", f"plain sampling T={t}", sample, engine=False, sampled=True, hidden=unfiltered)
         )
-        methods += [
-            BenchMethod(
-                f"dflash_b{block_size}_t{temperature:g}_{proposal}",
-                f"dflash-hf B={block_size} T={temperature:g}, {proposal} proposal",
-                _engine_runner(
-                    target, drafter, int(block_size), sampling_proposal=proposal, candidates="dflash", **sample
-                ),
-                f"dflash_hf.generate(block_size={block_size}, do_sample=True, temperature={temperature:g}, "
-                f'sampling_proposal="{proposal}")',
-                block_size=int(block_size),
-                baseline=plain,
+        rows += [
+            _Row(
+                f"dflash_b{size}_t{t}_{proposal}",
+                f"dflash-hf B={size} T={t}, {proposal} proposal",
+                {"block_size": size, **sample, "sampling_proposal": proposal},
+                baseline=f"sample_t{t}",
                 sampled=True,
+                hidden={"candidates": "dflash", **unfiltered},
             )
             for proposal in SAMPLING_PROPOSALS
         ]
-    return methods
+    return [_method(target, drafter, row) for row in rows]
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One row of a bench: its name, its label, and the arguments of the `generate` call it times, which its
+    description shows (`hidden`: further arguments the description leaves out).
+
+    An engine row calls `dflash_hf.generate` (its `block_size` among the arguments), any other `target.generate`
+    (`kernels`: with the engine's kernels). `block_size` is the row's block where the arguments do not give it.
+    """
+
+    name: str
+    label: str
+    generate: dict[str, Any]
+    engine: bool = True
+    block_size: int | None = None
+    baseline: str | None = None
+    sampled: bool = False
+    kernels: bool = False
+    hidden: dict[str, Any] = field(default_factory=dict)
+
+
+class _Drafter:
+    """Stands for the row's drafter among its `generate` arguments."""
+
+    def __repr__(self) -> str:
+        return "drafter"
+
+
+_DRAFTER = _Drafter()
+_UNFILTERED = {"top_k": None, "top_p": None}  # sampling from the whole distribution, whatever the generation config
+
+
+def _transformers_rows(kernels: bool, trained: int, prompt_lookup_num_tokens: int) -> list[_Row]:
+    """Plain greedy (also with the engine's kernels where the target uses any), prompt lookup and Transformers'
+    DFlash with a drafter trained on blocks of `trained`."""
+    k = prompt_lookup_num_tokens
+    greedy = {"do_sample": False}
+    rows = [
+        _Row("greedy", "plain greedy", greedy, engine=False),
+        _Row("greedy_engine_kernels", "plain greedy, engine kernels", greedy, engine=False, kernels=True),
+        _Row("prompt_lookup", f"prompt lookup (k={k})", {"prompt_lookup_num_tokens": k}, engine=False),
+        _Row(
+            "native_dflash",
+            f"Transformers DFlash (B={trained})",
+            {"assistant_model": _DRAFTER, "speculation_type": "dflash"},
+            engine=False,
+            block_size=trained,
+        ),
+    ]
+    return [row for row in rows if kernels or not row.kernels]
+
+
+def _engine_rows(
+    sizes: list[int], trained: int, adaptive: bool, lookup_branch: bool, lookup_tokens: list[int], draft_tree: bool
+) -> list[_Row]:
+    """Our engine at each fixed block size, with the adaptive policy, then at the smallest size with a lookup branch
+    (of the default length, then of each of `lookup_tokens`), then with a draft tree at the smallest and the largest
+    size."""
+    rows = [_Row(f"dflash_b{b}", f"dflash-hf B={b}", {"block_size": b, "candidates": "dflash"}) for b in sizes]
+    if adaptive:
+        adaptive_call = {"block_size": "adaptive", "candidates": "dflash"}
+        rows.append(_Row("dflash_adaptive", f"dflash-hf adaptive (B<={trained})", adaptive_call, block_size=trained))
+    if lookup_branch and sizes:
+        b, lookup = sizes[0], {"block_size": sizes[0], "candidates": "dflash+lookup"}
+        rows.append(_Row(f"dflash_b{b}_lookup", f"dflash-hf B={b} + lookup branch", lookup))
+        rows += [
+            _Row(
+                f"dflash_b{b}_lookup{n}",
+                f"dflash-hf B={b} + lookup branch (<= {n} tokens)",
+                {**lookup, "lookup_tokens": n},
+            )
+            for n in lookup_tokens
+            if n != lookup_branch_length(b)
+        ]
+    if draft_tree and sizes:
+        tree_sizes = dict.fromkeys([sizes[0], sizes[-1]])
+        rows += [
+            _Row(f"dflash_b{b}_tree", f"dflash-hf B={b} draft tree", {"block_size": b, "candidates": "tree"})
+            for b in tree_sizes
+        ]
+    return rows
+
+
+def _method(target: PreTrainedModel, drafter: DFlashDraftModel, row: _Row) -> BenchMethod:
+    """The bench method of `row`: its runner, and its description from its `generate` arguments."""
+    arguments = {key: drafter if value is _DRAFTER else value for key, value in {**row.generate, **row.hidden}.items()}
+    shown = ", ".join(f"{key}={_shown(value)}" for key, value in row.generate.items())
+    if row.engine:
+        runner = _engine_runner(target, drafter, arguments.pop("block_size"), **arguments)
+        description = f"dflash_hf.generate({shown})"
+    else:
+        watched = drafter if _DRAFTER in row.generate.values() else None
+        runner = _transformers_runner(target, watched, row.kernels, **arguments)
+        description = f"target.generate({shown})" + (
+            " with the engine's kernels (prepacked LM head)" if row.kernels else ""
+        )
+    block_size = row.generate["block_size"] if row.block_size is None and row.engine else row.block_size
+    return BenchMethod(row.name, row.label, runner, description, block_size, row.baseline, row.sampled)
+
+
+def _shown(value: Any) -> str:
+    """A `generate` argument as a row's description writes it."""
+    if isinstance(value, str):
+        return f'"{value}"'
+    return f"{value:g}" if isinstance(value, float) else repr(value)

@@ -10,7 +10,8 @@ import os
 from pathlib import Path
 
 from ..fileio import read_json
-from .report import JSON_NAME, as_document, cost_lines, drafter_name, hardware_line, render_markdown
+from .report import JSON_NAME, cost_lines, drafter_name, hardware_line, render_markdown
+from .results import as_document
 
 PROFILE_JSON = "profile.json"
 PROFILE_PLOT = "profile.png"

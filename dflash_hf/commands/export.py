@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..bench.report import card_metrics
-from ..bench.run import BENCH_FORMAT
+from ..bench.results import BENCH_FORMAT
 from ..drafters import drafter_source
 from ..fileio import read_json
 from ..hub.export import EXPORT_FORMATS, export
