@@ -259,18 +259,18 @@ def test_reduced_draft_vocabulary_is_lossless_and_drafts_inside_it():
     drafter.set_draft_vocabulary(vocabulary)
     assert drafter.draft_token_ids.tolist() == vocabulary
     proposals = []
-    original = dflash_hf.engine.generation_call.GenerationCall._propose
+    original = dflash_hf.engine.token_choice.TokenChoice.propose
 
     def recording_propose(self, logits, rows):
         tokens, probs = original(self, logits, rows)
         proposals.extend(tokens.reshape(-1).tolist())
         return tokens, probs
 
-    dflash_hf.engine.generation_call.GenerationCall._propose = recording_propose
+    dflash_hf.engine.token_choice.TokenChoice.propose = recording_propose
     try:
         out = dflash_hf.generate(target, drafter, input_ids, max_new_tokens=MAX_NEW)
     finally:
-        dflash_hf.engine.generation_call.GenerationCall._propose = original
+        dflash_hf.engine.token_choice.TokenChoice.propose = original
     assert torch.equal(out, reference)
     assert proposals and set(proposals) <= set(vocabulary)
     assert torch.equal(_native(target, drafter, input_ids), reference)

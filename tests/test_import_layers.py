@@ -87,7 +87,7 @@ def on_ground_floor(module: str) -> bool:
 
 def test_the_graph_sees_the_layers(graph):
     assert "dflash_hf.cli" in graph["dflash_hf_launcher"]  # imports inside functions count
-    assert "dflash_hf.target.row_exact" in graph["dflash_hf.engine.generation_call"]
+    assert "dflash_hf.target.row_exact" in graph["dflash_hf.engine.verification"]
     assert "dflash_hf.modeling.modeling_dflash" in graph["dflash_hf.modeling"]
 
 

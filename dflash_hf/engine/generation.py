@@ -26,6 +26,7 @@ from ..modeling import DFlashDraftModel
 from ..transformers_compat import stop_strings_as_criteria, streamer_of_calling_generate
 from .acceptance import DEFAULT_SAMPLING_PROPOSAL
 from .block_size import BlockSizePolicy
+from .candidates import DEFAULT_CANDIDATES
 from .checks import (
     check_context_length,
     check_inputs,
@@ -35,7 +36,6 @@ from .checks import (
 )
 from .generation_call import GenerationCall
 from .output import DFlashGenerateOutput
-from .tree import DEFAULT_CANDIDATES
 
 __all__ = ["DFlashGenerateOutput", "custom_generate", "generate"]
 
