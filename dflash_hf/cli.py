@@ -3,7 +3,9 @@
 Every sub-command module exposes `register(subparsers)`, which adds its parser and sets `func` (a callable taking
 the parsed arguments and returning an exit code); what only a run needs is imported inside it. Bad input (a
 `ValueError`, or an `OSError` for a missing or unreadable file) ends with one `error: ...` line and exit code 2. A
-command's `--quiet` hides the progress bars of the libraries it runs (`commands.hidden_progress_bars`).
+command's `--quiet` hides the progress bars of the libraries it runs (`commands.hidden_progress_bars`). A command
+whose flags are a settings dataclass (`bench`, `make-data`) also reads them from `--config FILE.yaml`
+(`cli_settings.SettingsParser`, the sub-commands' parser class).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from .cli_settings import SettingsParser
 from .commands import (
     bench,
     cache_features,
@@ -24,7 +27,6 @@ from .commands import (
     results_doc,
     train,
 )
-from .commands.settings import SettingsParser
 
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what shells report for a command ended by Ctrl-C
 

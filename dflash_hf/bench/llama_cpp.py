@@ -25,6 +25,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from ..modeling import DFlashDraftModel
 from .prompts import BenchPrompt
 
 SERVER_BINARY = "llama-server"
@@ -250,3 +251,52 @@ def rows_to_json(
 ) -> dict[str, Any]:
     """The `llama_cpp` part of `bench.json`: settings, rows and the target's forward costs."""
     return {"settings": settings, "rows": [asdict(row) for row in rows], "costs": costs}
+
+
+def bench_part(
+    binary_dir: str | Path,
+    target: str,
+    drafter: DFlashDraftModel,
+    prompts: Sequence[BenchPrompt],
+    tokenizer: PreTrainedTokenizerBase,
+    max_new_tokens: int,
+    threads: int,
+    *,
+    requantize_to: str | None = None,
+    draft_tokens: Sequence[int] | None = None,
+    p_min: float = 0.0,
+    ngram: bool = False,
+    gguf_type: str = "f32",
+) -> dict[str, Any]:
+    """llama.cpp's part of a bench result (`bench.json`'s `llama_cpp`): its rows on `prompts` and the target's forward
+    costs, with `drafter` exported as GGUF into a temporary folder against the GGUF llama.cpp serves (`target`'s, or
+    the GGUF file `target` names; with `requantize_to`, requantized by llama-quantize). `draft_tokens`: one DFlash row
+    per draft length (default: the drafter's block size - 1); `ngram`: also llama.cpp's n-gram lookup, alone and in
+    front of the drafter."""
+    import tempfile
+
+    from ..hub.gguf import target_gguf_file, write_gguf
+
+    draft_tokens = list(draft_tokens or [int(drafter.config.block_size) - 1])
+    with tempfile.TemporaryDirectory(prefix="dflash-hf-llama-cpp-") as scratch, target_gguf_file(target) as gguf:
+        served = Path(gguf)
+        if requantize_to:
+            served = requantize(binary_dir, gguf, requantize_to, Path(scratch) / f"target-{requantize_to}.gguf")
+        drafter_gguf = write_gguf(drafter, Path(scratch) / "drafter.gguf", target=served, gguf_type=gguf_type)
+        dflash = [dflash_setup(drafter_gguf, n, threads, p_min) for n in draft_tokens]
+        setups = list(dflash)
+        if ngram:
+            setups += [ngram_setup(max(draft_tokens))]
+            setups += [ngram_setup(n, drafter=setup) for n, setup in zip(draft_tokens, dflash)]
+        rows = run_llama_cpp(binary_dir, served, setups, prompts, tokenizer, max_new_tokens, threads)
+        depth = round(sum(len(p.input_ids) for p in prompts) / len(prompts) + max_new_tokens / 2)
+        costs = forward_costs(binary_dir, served, threads, depth, [1, 2, *(n + 1 for n in draft_tokens)])
+    settings = {
+        "binary_dir": str(binary_dir),
+        "target_gguf": Path(gguf).name + (f" requantized to {requantize_to}" if requantize_to else ""),
+        "gguf_type": gguf_type,
+        "draft_tokens": draft_tokens,
+        "p_min": p_min,
+        "threads": threads,
+    }
+    return rows_to_json(rows, settings, costs)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
+from ..cli_settings import add_fields
 from ..mkl_choice import MKL_MODES
 from ..runtime import available_cpus
 from ..targets import DEFAULT_TARGET, TARGETS
-from .settings import add_fields
 
 
 def load_models(

@@ -6,8 +6,8 @@ import argparse
 import json
 from dataclasses import dataclass, field
 
+from ..cli_settings import add_settings, field_of, settings_of
 from . import TapSettings, device_of, target_layer_ids_of
-from .settings import add_settings, field_of, settings_of
 
 
 @dataclass(kw_only=True)

@@ -113,7 +113,11 @@ class SettingsParser(argparse.ArgumentParser):
                 f"{CONFIG_FLAG} {found.config}: unknown setting(s) {', '.join(unknown)}; `{self.prog}` takes "
                 f"{', '.join(fields)}."
             )
-        return [word for name, value in values.items() for word in flags_of(fields[name], {name: value})] + rest
+        try:
+            flags = [word for name, value in values.items() for word in flags_of(fields[name], {name: value})]
+        except ValueError as err:
+            raise ValueError(f"{CONFIG_FLAG} {found.config}: {err}.") from err
+        return flags + rest
 
 
 def read_config(path: str) -> dict[str, Any]:
