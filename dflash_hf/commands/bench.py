@@ -33,7 +33,7 @@ from . import (
 )
 
 SKIPPABLE = ("prompt_lookup", "native_dflash", "greedy_engine_kernels")
-LLAMA_CPP = {"with": "llama_cpp"}  # recorded only with --llama-cpp
+_WITH_LLAMA_CPP = {"with": "llama_cpp"}  # recorded only with --llama-cpp
 
 
 class TaggedDrafter(NamedTuple):
@@ -167,12 +167,15 @@ class BenchSettings:
     )
     llama_cpp_target: str | None = field(
         default=None,
-        metadata={**LLAMA_CPP, "help": "The target's GGUF for llama.cpp (default: the named target's packaged GGUF)."},
+        metadata={
+            **_WITH_LLAMA_CPP,
+            "help": "The target's GGUF for llama.cpp (default: the named target's packaged GGUF).",
+        },
     )
     llama_cpp_requantize: str | None = field(
         default=None,
         metadata={
-            **LLAMA_CPP,
+            **_WITH_LLAMA_CPP,
             "metavar": "TYPE",
             "help": "Serve the target's GGUF requantized to TYPE by llama-quantize (e.g. F16, Q8_0, Q4_0; default: as "
             "it is).",
@@ -181,7 +184,7 @@ class BenchSettings:
     llama_cpp_draft_tokens: list[int] | None = field(
         default=None,
         metadata={
-            **LLAMA_CPP,
+            **_WITH_LLAMA_CPP,
             "type": comma_separated_ints,
             "help": "llama.cpp's --spec-draft-n-max, one DFlash row per value, e.g. 1,3,7 (default: the drafter's "
             "block size - 1).",
@@ -190,7 +193,7 @@ class BenchSettings:
     llama_cpp_p_min: float = field(
         default=0.0,
         metadata={
-            **LLAMA_CPP,
+            **_WITH_LLAMA_CPP,
             "help": "llama.cpp's --spec-draft-p-min: a draft stops at the first token the drafter gives less "
             "probability (default: 0, every drafted token).",
         },
@@ -198,14 +201,14 @@ class BenchSettings:
     llama_cpp_ngram: bool = field(
         default=False,
         metadata={
-            **LLAMA_CPP,
+            **_WITH_LLAMA_CPP,
             "help": "Also run llama.cpp's own n-gram lookup (ngram-simple) alone and in front of the DFlash drafter.",
         },
     )
     llama_cpp_gguf_type: str = field(
         default="f32",
         metadata={
-            **LLAMA_CPP,
+            **_WITH_LLAMA_CPP,
             "help": "Weight type of the drafter's GGUF for llama.cpp: f32 (default), f16, bf16 or q8_0.",
         },
     )
