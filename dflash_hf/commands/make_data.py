@@ -104,9 +104,8 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run `make-data`; returns the exit code."""
-    from ..data.make import check_output_folder, make_data
+    from ..data.make import check_output_folder, end_ids, make_data
     from ..data.server import ServerResponder
-    from ..special_tokens import token_ids
     from ..targets import load_target, load_target_shell
 
     settings = settings_of(args, MakeDataSettings)
@@ -120,14 +119,13 @@ def run(args: argparse.Namespace) -> int:
     server = None
     if settings.server is not None:
         target, tokenizer = load_target_shell(settings.target, progress=not settings.quiet)
-        end_ids = token_ids(target.generation_config.eos_token_id, tokenizer.eos_token_id)
         vocab_size = target.config.get_text_config().vocab_size
         server = ServerResponder(
             settings.server,
             tokenizer,
             vocab_size,
             settings.max_new_tokens,
-            end_ids,
+            end_ids(target, tokenizer),
             settings.concurrency,
             settings.server_api,
             settings.server_model,
