@@ -9,8 +9,8 @@ import ast
 from pathlib import Path
 
 import pytest
+from testing_utils import REPO
 
-REPO = Path(__file__).parents[1]
 # source folder -> the name it is imported as (`[tool.setuptools.package-dir]` in pyproject.toml)
 PACKAGES = {
     "dflash_hf": "dflash_hf",

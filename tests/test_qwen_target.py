@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from testing_utils import REPO
 from transformers import AutoConfig, AutoTokenizer
 
 import dflash_hf
@@ -83,7 +84,7 @@ def test_qwen_targets_are_registered_with_pinned_chunks():
         chunks = targets.QWEN_CODER_GGUFS[name]
         assert len(chunks.parts) == count and spec.hub_id.startswith("Qwen/Qwen2.5-Coder-")
         assert spec.distribution == chunks.parts[0].distribution
-    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    pyproject = (REPO / "pyproject.toml").read_text()
     for chunks in targets.QWEN_CODER_GGUFS.values():
         assert all(f'"{requirement}"' in pyproject for requirement in chunks.requirements())
 

@@ -4,7 +4,7 @@ files through the API and the CLI (the exception's or the `error:` line's first 
 A drafter folder pushed or loaded runs its remote code under `trust_remote_code=True`, and the package reads and
 deletes the files its indexes name: `push` validates a folder against what `export` writes, every path read or
 deleted resolves inside its folder, `export --overwrite` replaces only an earlier export. Everything runs on the tiny
-random models of `test_targets.py`, built offline.
+random models of `testing_utils.py`, built offline.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from testing_utils import WORDS, make_llama, save_tiny_target
+from testing_utils import REPO, WORDS, make_llama, save_tiny_target
 
 import dflash_hf
 from dflash_hf import DFlashConfig, DFlashDraftModel, cli, targets
@@ -428,7 +428,7 @@ sys.exit(dflash_hf_launcher.main())
 def test_ctrl_c_while_torch_is_imported_is_one_line():
     """The console entry point imports nothing heavy itself, so an interrupt inside `import torch` ends like one
     later."""
-    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    pyproject = (REPO / "pyproject.toml").read_text()
     assert 'dflash-hf = "dflash_hf_launcher:main"' in pyproject
     probe = "import sys, dflash_hf_launcher; print(sorted({'torch', 'transformers', 'dflash_hf'} & set(sys.modules)))"
     light = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)

@@ -12,8 +12,7 @@ import tokenize
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).parents[1]
+from testing_utils import REPO
 
 # history and process words, wherever they appear
 _COMMON = [

@@ -32,6 +32,8 @@ from transformers.generation.logits_process import LogitsProcessorList, Temperat
 import dflash_hf
 from dflash_hf import DFlashConfig, DFlashDraftModel
 
+REPO = Path(__file__).resolve().parents[1]  # the repository: README.md, pyproject.toml, examples/
+
 # ------------------------------------------------------------------------------------- tiny targets and drafters
 
 VOCAB = 64

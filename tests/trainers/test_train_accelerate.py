@@ -12,11 +12,9 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-from testing_utils import make_tiny_target, make_tokenizer, one_thread, write_prompts
+from testing_utils import REPO, make_tiny_target, make_tokenizer, one_thread, write_prompts
 
 from dflash_hf.cli import main as cli_main
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
@@ -71,7 +69,7 @@ def test_accelerate_two_process_cpu_run(tmp_path):
         "no",
         "--dynamo_backend",
         "no",
-        str(ROOT / "examples" / "train.py"),
+        str(REPO / "examples" / "train.py"),
         "--config",
         str(recipe),
         "--output_dir",

@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+from testing_utils import REPO
 
 from dflash_hf import cli
 from dflash_hf.bench import BENCH_FORMAT
 from dflash_hf.bench.results_doc import render_results
 
-REPO = Path(__file__).parents[1]
 HARDWARE = {
     "cpu": "Test CPU",
     "cpus_available": 2,

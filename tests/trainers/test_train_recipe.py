@@ -11,7 +11,7 @@ from dflash_hf.trainers import DFlashDataCollator, DFlashTrainer, DFlashTraining
 from dflash_hf.trainers.initialisation import initialise_from_target
 from dflash_hf.trainers.masks import valid_anchor_positions
 from dflash_hf.trainers.optimizers import MuonWithAdamW, newton_schulz_float32_pays, orthogonalise_in_float32
-from testing_utils import make_tiny_target, tiny_train_config, write_prompts
+from testing_utils import REPO, make_tiny_target, tiny_train_config, write_prompts
 
 from dflash_hf.data.features import OfflineFeatureDataset, cache_features
 from dflash_hf.data.make import load_training_data
@@ -499,7 +499,7 @@ def test_a_saved_bf16_drafter_continues_training_in_fp32(tiny_data, tmp_path):
 
 @pytest.mark.parametrize(
     "recipe",
-    sorted((__import__("pathlib").Path(__file__).parents[1] / "examples" / "recipes").rglob("*.yaml")),
+    sorted((REPO / "examples" / "recipes").rglob("*.yaml")),
     ids=lambda p: f"{p.parent.name}/{p.name}",
 )
 def test_shipped_recipes_parse(recipe):
