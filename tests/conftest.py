@@ -17,7 +17,7 @@ os.environ["DFLASH_HF_CACHE"] = tempfile.mkdtemp(prefix="dflash-hf-tests-")
 
 import pytest
 import torch
-from testing_utils import FAMILIES, make_tiny_target, make_tokenizer, one_thread, write_prompts
+from testing_utils import FAMILIES, make_tiny_target, make_tokenizer, one_thread, run_make_data, write_prompts
 
 from dflash_hf import runtime
 
@@ -96,20 +96,11 @@ def single_thread():
 def tiny_data(tmp_path_factory):
     """`(target, tokenizer, data)`: a tiny LLaMA, its character-level tokenizer and the training rows `make_data` gives
     for `testing_utils.PROMPTS` (24 new tokens, nothing held out), built once per test module."""
-    from dflash_hf.data.make import load_training_data, make_data
+    from dflash_hf.data.make import load_training_data
 
     with one_thread():
         target = make_tiny_target("llama")
         tokenizer = make_tokenizer()
         root = tmp_path_factory.mktemp("tiny-data")
-        prompts = write_prompts(root / "prompts.jsonl")
-        make_data(
-            target,
-            tokenizer,
-            root / "data",
-            source=str(prompts),
-            max_new_tokens=24,
-            held_out_fraction=0.0,
-            progress=False,
-        )
+        run_make_data(target, tokenizer, root / "data", write_prompts(root / "prompts.jsonl"), max_new_tokens=24)
         return target, tokenizer, load_training_data(root / "data")

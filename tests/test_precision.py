@@ -11,6 +11,7 @@ import torch
 from testing_utils import (
     FAMILIES,
     GEMMA_SLIDING_WINDOW,
+    corrupt_slots,
     make_drafter,
     make_llama,
     make_oracle,
@@ -126,7 +127,7 @@ def test_engine_with_a_quirky_linear_equals_plain_bf16_greedy(family, candidates
     prompt = torch.tensor([PROMPTS[1]])
     assert prompt.shape[1] > GEMMA_SLIDING_WINDOW
     expected = reference_target.generate(prompt, max_new_tokens=40, do_sample=False)
-    corrupt = {(pos, slot) for pos in range(80) for slot in range(1, 4) if (pos + slot) % 3 == 0}
+    corrupt = corrupt_slots(3)
     drafter = make_oracle(target, [expected[0].tolist()], corrupt=corrupt).to(torch.bfloat16)
     out = generate(target, drafter, prompt, max_new_tokens=40, do_sample=False, candidates=candidates)
     assert row_exact.install(target, 4) and torch.equal(out, expected)

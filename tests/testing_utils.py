@@ -175,8 +175,41 @@ def make_oracle(target, references, corrupt=None, block_size: int = 4) -> Oracle
     return oracle
 
 
+def corrupt_slots(
+    every: int, slot_step: int = 1, position_step: int = 1, positions: int = 80, block_size: int = 4
+) -> set[tuple[int, int]]:
+    """The `(position, slot)` drafts an oracle gets wrong (`make_oracle`'s `corrupt`): those below `positions` whose
+    `position_step * position + slot_step * slot` is a multiple of `every`, over the draft slots 1 .. block_size - 1."""
+    return {
+        (pos, slot)
+        for pos in range(positions)
+        for slot in range(1, block_size)
+        if (position_step * pos + slot_step * slot) % every == 0
+    }
+
+
 def greedy_reference(target, input_ids, attention_mask=None, max_new_tokens: int = 24) -> torch.Tensor:
     return target.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False)
+
+
+def assert_rows_are_greedy(sequences: torch.Tensor, width: int, prompts, references, label: object = None) -> None:
+    """Each row of a left-padded batch's `sequences` (prompts `width` wide) goes on as its own plain greedy
+    `references[i]` (prompt included) does, then holds padding only."""
+    for i, (prompt, reference) in enumerate(zip(prompts, references)):
+        generated = torch.as_tensor(reference[len(prompt) :])
+        row = sequences[i, width:]
+        assert torch.equal(row[: len(generated)], generated), (label, f"row {i}")
+        assert (row[len(generated) :] == 0).all(), (label, f"row {i}")
+
+
+def assert_short_runs_are_greedy(target, drafter, input_ids: torch.Tensor, candidates: str) -> None:
+    """With `max_new_tokens` ending inside a cycle (1, 3, 6, 11), `candidates` give plain greedy decoding's tokens."""
+    for max_new_tokens in (1, 3, 6, 11):
+        expected = target.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[99])
+        out = dflash_hf.generate(
+            target, drafter, input_ids, max_new_tokens=max_new_tokens, eos_token_id=[99], candidates=candidates
+        )
+        assert torch.equal(out, expected), max_new_tokens
 
 
 def strip(row: torch.Tensor, pad: int = 0) -> list[int]:
@@ -236,6 +269,15 @@ def write_prompts(path: Path, prompts=PROMPTS, extra: list[dict] | None = None) 
     rows = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(prompts)] + list(extra or [])
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def run_make_data(target, tokenizer, folder: Path, source: Path | str, **settings) -> dict:
+    """`make_data` of `target` from the prompt file `source` into `folder`, without a progress bar and with nothing
+    held out unless `settings` say otherwise; returns the manifest."""
+    from dflash_hf.data.make import make_data
+
+    settings = {"held_out_fraction": 0.0, "progress": False, **settings}
+    return make_data(target, tokenizer, folder, source=str(source), **settings)
 
 
 def tiny_train_config(output_dir, **overrides):

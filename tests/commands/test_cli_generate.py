@@ -26,9 +26,28 @@ def folders(tmp_path_factory):
 
 
 def _run(capsys, *argv: str) -> tuple[int, list[str], list[str]]:
+    """`dflash-hf generate ARGV`: the exit code, the output lines and the error lines."""
     code = cli.main(["generate", *argv])
     captured = capsys.readouterr()
     return code, captured.out.splitlines(), captured.err.strip().splitlines()
+
+
+def _generate(
+    capsys, folders: dict, prompt: str, max_new_tokens: int, *flags: str, target=None
+) -> tuple[int, list[str], list[str]]:
+    """`dflash-hf generate PROMPT` with the saved drafter, on the saved target unless `target` names another."""
+    target = folders["target"] if target is None else target
+    drafter = str(folders["drafter"])
+    return _run(
+        capsys, prompt, "--target", str(target), "--drafter", drafter, "--max-new-tokens", str(max_new_tokens), *flags
+    )
+
+
+def _summary(out: list[str], pattern: str) -> re.Match:
+    """The match of the command's last output line, its summary, against `pattern`."""
+    match = re.match(pattern, out[-1])
+    assert match, out[-1]
+    return match
 
 
 def _precision(err: list[str]) -> str:
@@ -39,12 +58,15 @@ def _precision(err: list[str]) -> str:
     return match.group(1)
 
 
-def _greedy_answer(target_dir, input_ids: torch.Tensor, max_new_tokens: int, dtype: str) -> tuple[int, str]:
-    """Plain greedy decoding by a freshly loaded target (stock attention) in `dtype`: the reference."""
+def _assert_greedy_answer(
+    match: re.Match, out: list[str], target_dir, input_ids: torch.Tensor, max_new_tokens: int, dtype: str
+) -> None:
+    """The command's answer (its output before the summary `match`) and token count are plain greedy decoding's by a
+    freshly loaded target (stock attention) in `dtype`."""
     model, tokenizer = targets.load_target(target_dir, dtype=dtype)
-    out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
-    new = out[0, input_ids.shape[1] :]
-    return len(new), tokenizer.decode(new, skip_special_tokens=True)
+    new = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)[0, input_ids.shape[1] :]
+    assert int(match.group(1)) == len(new)
+    assert "\n".join(out[:-1]).strip() == tokenizer.decode(new, skip_special_tokens=True).strip()
 
 
 HOSTS = {  # kind of CPU -> (its native bf16 unit, the precision whose DFlash cycle it measures faster)
@@ -62,22 +84,9 @@ def test_greedy_compare_streams_the_lossless_answer(folders, capsys, monkeypatch
     monkeypatch.setenv(fileio.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(runtime, "native_bf16_feature", lambda: feature)
     monkeypatch.setattr(precision, "_cycle_ms", lambda model, *args: 1.0 if model.dtype == faster else 2.0)
-    code, out, err = _run(
-        capsys,
-        "the cat sat",
-        "--target",
-        str(folders["target"]),
-        "--drafter",
-        str(folders["drafter"]),
-        "--max-new-tokens",
-        "12",
-        "--compare",
-        "--threads",
-        "1",
-    )
+    code, out, err = _generate(capsys, folders, "the cat sat", 12, "--compare", "--threads", "1")
     assert code == 0
-    match = re.match(COMPARE, out[-1])
-    assert match, out[-1]
+    match = _summary(out, COMPARE)
     assert match.group(2) == "greedy" and match.group(4) == "yes"
     verdicts = tmp_path / precision.VERDICTS_FILE
     if feature is None:  # nothing to measure
@@ -92,60 +101,25 @@ def test_greedy_compare_streams_the_lossless_answer(folders, capsys, monkeypatch
         [{"role": "user", "content": "the cat sat"}], tokenize=False, add_generation_prompt=True
     )
     prompt = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
-    count, answer = _greedy_answer(folders["target"], prompt, 12, _precision(err))
     assert match.group(3) == _precision(err)
-    assert int(match.group(1)) == count
-    assert "\n".join(out[:-1]).strip() == answer.strip()
+    _assert_greedy_answer(match, out, folders["target"], prompt, 12, _precision(err))
 
 
 def test_plain_prompt_block_size_and_no_template(folders, capsys):
     for target, extra in ((folders["plain"], []), (folders["target"], ["--no-chat-template"])):
-        code, out, err = _run(
-            capsys,
-            "a dog ran",
-            "--target",
-            str(target),
-            "--drafter",
-            str(folders["drafter"]),
-            "--max-new-tokens",
-            "6",
-            "--block-size",
-            "3",
-            *extra,
-        )
+        code, out, err = _generate(capsys, folders, "a dog ran", 6, "--block-size", "3", *extra, target=target)
         assert code == 0
-        match = re.match(SUMMARY, out[-1])
-        assert match, out[-1]
-        tokenizer = AutoTokenizer.from_pretrained(target)
-        count, answer = _greedy_answer(
-            target, tokenizer("a dog ran", return_tensors="pt").input_ids, 6, _precision(err)
-        )
-        assert int(match.group(1)) == count
-        assert "\n".join(out[:-1]).strip() == answer.strip()
+        match = _summary(out, SUMMARY)
+        input_ids = AutoTokenizer.from_pretrained(target)("a dog ran", return_tensors="pt").input_ids
+        _assert_greedy_answer(match, out, target, input_ids, 6, _precision(err))
 
 
 def test_sampling_compare(folders, capsys):
     torch.manual_seed(0)
-    code, out, _ = _run(
-        capsys,
-        "the cat sat",
-        "--target",
-        str(folders["target"]),
-        "--drafter",
-        str(folders["drafter"]),
-        "--max-new-tokens",
-        "8",
-        "--temperature",
-        "0.8",
-        "--top-k",
-        "10",
-        "--top-p",
-        "0.9",
-        "--compare",
-    )
+    flags = ["--temperature", "0.8", "--top-k", "10", "--top-p", "0.9", "--compare"]
+    code, out, _ = _generate(capsys, folders, "the cat sat", 8, *flags)
     assert code == 0
-    match = re.match(COMPARE, out[-1])
-    assert match, out[-1]
+    match = _summary(out, COMPARE)
     assert match.group(2) == "sampling" and match.group(4) == "n/a (sampling)"
 
 
@@ -161,9 +135,8 @@ def test_sampling_proposal_candidates_and_lookup_flags_reach_the_engine(folders,
         real(self, *args, **kwargs)
 
     monkeypatch.setattr(generation_call.GenerationCall, "__init__", recording)
-    code, _, _ = _run(
-        capsys, "the cat sat", "--target", str(folders["target"]), "--drafter", str(folders["drafter"]),
-        "--max-new-tokens", "4", "--temperature", "0.8", "--sampling-proposal", proposal,
+    code, _, _ = _generate(
+        capsys, folders, "the cat sat", 4, "--temperature", "0.8", "--sampling-proposal", proposal,
         "--candidates", "dflash+lookup", "--lookup-tokens", "6",
     )  # fmt: skip
     assert code == 0 and seen[-1] == (proposal, "dflash+lookup", 6)

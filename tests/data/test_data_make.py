@@ -8,13 +8,13 @@ import shutil
 
 import pytest
 import torch
-from testing_utils import PROMPTS, make_tiny_target, make_tokenizer, one_thread, write_prompts
+from testing_utils import PROMPTS, make_tiny_target, make_tokenizer, one_thread, run_make_data, write_prompts
 
 import dflash_hf.data.make as data_mod
 import dflash_hf.data.prompts as prompts_mod
 from dflash_hf.cli import main as cli_main
 from dflash_hf.data.features import OfflineFeatureDataset, cache_features, read_index
-from dflash_hf.data.make import load_training_data, make_data
+from dflash_hf.data.make import load_training_data
 from dflash_hf.data.parts import part_files
 from dflash_hf.data.prompts import iter_json_array, load_prompts, split_of
 
@@ -30,16 +30,8 @@ def target():
 def test_make_data_outputs(target, tmp_path):
     tok = make_tokenizer()
     src = write_prompts(tmp_path / "p.jsonl")
-    manifest = make_data(
-        target,
-        tok,
-        tmp_path / "out",
-        source=str(src),
-        max_new_tokens=12,
-        held_out_fraction=0.3,
-        batch_size=4,
-        target_name="tiny",
-        progress=False,
+    manifest = run_make_data(
+        target, tok, tmp_path / "out", src, max_new_tokens=12, held_out_fraction=0.3, batch_size=4, target_name="tiny"
     )
     data = load_training_data(tmp_path / "out")
     held = set(manifest["held_out_ids"])
@@ -51,8 +43,6 @@ def test_make_data_outputs(target, tmp_path):
         assert row["input_ids"][: row["prompt_length"]] == prompt_ids  # chat template applied
         assert row["loss_mask"] == [0] * row["prompt_length"] + [1] * (len(row["input_ids"]) - row["prompt_length"])
         # the response is the target's own greedy continuation
-        import torch
-
         ref = target.generate(torch.tensor([prompt_ids]), max_new_tokens=12, do_sample=False)[0].tolist()
         assert row["input_ids"] == ref[: len(row["input_ids"])]
     assert manifest["target"] == "tiny" and manifest["counts"]["samples"] == len(data)
@@ -64,16 +54,7 @@ def test_make_data_outputs(target, tmp_path):
 def test_make_data_resumes_without_duplicates_or_losses(target, tmp_path, monkeypatch):
     tok = make_tokenizer()
     src = write_prompts(tmp_path / "p.jsonl")
-    full = make_data(
-        target,
-        tok,
-        tmp_path / "full",
-        source=str(src),
-        max_new_tokens=8,
-        held_out_fraction=0.0,
-        batch_size=2,
-        progress=False,
-    )
+    full = run_make_data(target, tok, tmp_path / "full", src, max_new_tokens=8, batch_size=2)
     real = data_mod.regenerate
     calls = {"n": 0}
 
@@ -85,29 +66,11 @@ def test_make_data_resumes_without_duplicates_or_losses(target, tmp_path, monkey
 
     monkeypatch.setattr(data_mod, "regenerate", dying)
     with pytest.raises(KeyboardInterrupt):
-        make_data(
-            target,
-            tok,
-            tmp_path / "run",
-            source=str(src),
-            max_new_tokens=8,
-            held_out_fraction=0.0,
-            batch_size=2,
-            progress=False,
-        )
+        run_make_data(target, tok, tmp_path / "run", src, max_new_tokens=8, batch_size=2)
     assert len(list((tmp_path / "run" / "parts").glob("part-*.jsonl.gz"))) == 1
     assert not (tmp_path / "run" / "dataset").exists()
     monkeypatch.setattr(data_mod, "regenerate", real)
-    resumed = make_data(
-        target,
-        tok,
-        tmp_path / "run",
-        source=str(src),
-        max_new_tokens=8,
-        held_out_fraction=0.0,
-        batch_size=2,
-        progress=False,
-    )
+    resumed = run_make_data(target, tok, tmp_path / "run", src, max_new_tokens=8, batch_size=2)
     assert resumed["counts"]["generated_this_run"] == len(PROMPTS) - 2
     a = load_training_data(tmp_path / "full")
     b = load_training_data(tmp_path / "run")
@@ -116,9 +79,7 @@ def test_make_data_resumes_without_duplicates_or_losses(target, tmp_path, monkey
     assert full["counts"]["samples"] == resumed["counts"]["samples"]
     # growing the set with --max-samples and other settings
     with pytest.raises(ValueError, match="other settings"):
-        make_data(
-            target, tok, tmp_path / "run", source=str(src), max_new_tokens=9, held_out_fraction=0.0, progress=False
-        )
+        run_make_data(target, tok, tmp_path / "run", src, max_new_tokens=9)
 
 
 def test_a_missing_part_never_makes_a_rerun_replace_another(target, tmp_path):
@@ -126,14 +87,14 @@ def test_a_missing_part_never_makes_a_rerun_replace_another(target, tmp_path):
     every other part keeps its bytes."""
     tok = make_tokenizer()
     src = write_prompts(tmp_path / "p.jsonl")
-    kwargs = dict(source=str(src), max_new_tokens=6, held_out_fraction=0.0, batch_size=2, progress=False)
-    make_data(target, tok, tmp_path / "run", **kwargs)
+    kwargs = dict(source=src, max_new_tokens=6, batch_size=2)
+    run_make_data(target, tok, tmp_path / "run", **kwargs)
     parts = tmp_path / "run" / "parts"
     before = {p.name: p.read_bytes() for p in parts.glob("part-*")}
     assert len(before) >= 3
     (parts / "part-000001.jsonl.gz").unlink()
     for _ in range(2):
-        make_data(target, tok, tmp_path / "run", **kwargs)
+        run_make_data(target, tok, tmp_path / "run", **kwargs)
     after = {p.name: p.read_bytes() for p in parts.glob("part-*")}
     for name, data in before.items():
         if name != "part-000001.jsonl.gz":
@@ -148,9 +109,9 @@ def test_parts_are_gzipped_byte_stable_and_older_plain_parts_still_resume(target
     `.jsonl` (made by an older version) resumes after them, in order, without regenerating their rows."""
     tok = make_tokenizer()
     src = write_prompts(tmp_path / "p.jsonl")
-    kwargs = dict(source=str(src), max_new_tokens=8, held_out_fraction=0.0, batch_size=2, progress=False)
-    full = make_data(target, tok, tmp_path / "full", **kwargs)
-    again = make_data(target, tok, tmp_path / "again", **kwargs)
+    kwargs = dict(source=src, max_new_tokens=8, batch_size=2)
+    full = run_make_data(target, tok, tmp_path / "full", **kwargs)
+    again = run_make_data(target, tok, tmp_path / "again", **kwargs)
     parts = sorted((tmp_path / "full" / "parts").glob("part-*"))
     assert parts and all(p.name.endswith(".jsonl.gz") for p in parts)
     assert [p.read_bytes() for p in parts] == [
@@ -158,11 +119,11 @@ def test_parts_are_gzipped_byte_stable_and_older_plain_parts_still_resume(target
     ]
     # an older folder: its first two batches as plain JSONL parts
     old = tmp_path / "old" / "parts"
-    make_data(target, tok, tmp_path / "old", **{**kwargs, "max_samples": 4})
+    run_make_data(target, tok, tmp_path / "old", **kwargs, max_samples=4)
     for part in sorted(old.glob("part-*.jsonl.gz")):
         (old / part.name.removesuffix(".gz")).write_bytes(gzip.decompress(part.read_bytes()))
         part.unlink()
-    resumed = make_data(target, tok, tmp_path / "old", **kwargs)
+    resumed = run_make_data(target, tok, tmp_path / "old", **kwargs)
     assert resumed["counts"]["generated_this_run"] == full["counts"]["samples"] - 4 == again["counts"]["samples"] - 4
     names = [p.name for p in part_files(old)]
     assert names[:2] == ["part-000000.jsonl", "part-000001.jsonl"] and all(n.endswith(".gz") for n in names[2:])
@@ -177,11 +138,11 @@ def test_rebuilding_a_folder_from_its_parts_keeps_its_manifest(target, tmp_path)
     returns (and the CLI prints) is its own run: nothing generated."""
     tok = make_tokenizer()
     src = write_prompts(tmp_path / "p.jsonl")
-    kwargs = dict(source=str(src), max_new_tokens=8, held_out_fraction=0.0, batch_size=2, progress=False)
-    made = make_data(target, tok, tmp_path / "run", **kwargs)
+    kwargs = dict(source=src, max_new_tokens=8, batch_size=2)
+    made = run_make_data(target, tok, tmp_path / "run", **kwargs)
     written = (tmp_path / "run" / "manifest.json").read_bytes()
     shutil.rmtree(tmp_path / "run" / "dataset")
-    rebuilt = make_data(target, tok, tmp_path / "run", **kwargs)
+    rebuilt = run_make_data(target, tok, tmp_path / "run", **kwargs)
     assert (tmp_path / "run" / "manifest.json").read_bytes() == written
     assert made["counts"]["generated_this_run"] == made["counts"]["samples"] > 0
     assert rebuilt["counts"]["generated_this_run"] == 0  # what the CLI prints: this run generated nothing
@@ -206,16 +167,7 @@ def test_teacher_forced_data_keeps_the_source_replies(target, tmp_path, monkeypa
         raise AssertionError("teacher-forced data must not generate")
 
     monkeypatch.setattr(data_mod, "regenerate", no_generation)
-    manifest = make_data(
-        target,
-        tok,
-        tmp_path / "tf",
-        source=str(src),
-        max_new_tokens=16,
-        held_out_fraction=0.0,
-        responses="source",
-        progress=False,
-    )
+    manifest = run_make_data(target, tok, tmp_path / "tf", src, max_new_tokens=16, responses="source")
     data = load_training_data(tmp_path / "tf")
     assert sorted(data["id"]) == ["c0", "c1", "c3"]
     assert manifest["counts"]["skipped_without_reply"] == 1
@@ -231,23 +183,22 @@ def test_teacher_forced_data_keeps_the_source_replies(target, tmp_path, monkeypa
         assert response == (reply_ids + [end] if len(reply_ids) < 16 else reply_ids[:16])
         assert row["loss_mask"] == [0] * len(prompt_ids) + [1] * len(response)
     with pytest.raises(ValueError, match="other settings"):  # not resumed as regenerated data
-        make_data(target, tok, tmp_path / "tf", source=str(src), max_new_tokens=16, held_out_fraction=0.0)
+        run_make_data(target, tok, tmp_path / "tf", src, max_new_tokens=16)
     with pytest.raises(ValueError, match="responses must be one of"):
-        make_data(target, tok, tmp_path / "x", source=str(src), responses="sampled", progress=False)
+        run_make_data(target, tok, tmp_path / "x", src, responses="sampled")
 
 
 def test_a_run_with_no_row_to_make_writes_nothing(target, tmp_path):
     """A source whose prompts all lack a reply (`responses="source"`) or are too long makes no row: the manifest it
     returns says why, and nothing is written (no empty dataset, no folder)."""
     tok = make_tokenizer()
-    src = tmp_path / "prompts-only.jsonl"
-    src.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
-    kwargs = dict(source=str(src), max_new_tokens=8, held_out_fraction=0.0, progress=False)
-    no_reply = make_data(
+    src = write_prompts(tmp_path / "prompts-only.jsonl")
+    kwargs = dict(source=src, max_new_tokens=8)
+    no_reply = run_make_data(
         target, tok, tmp_path / "tf", responses="source", features_dir=tmp_path / "f", target_layer_ids=[1, 3], **kwargs
     )
     assert no_reply["counts"]["samples"] == 0 and no_reply["counts"]["skipped_without_reply"] == len(PROMPTS)
-    too_long = make_data(target, tok, tmp_path / "long", max_prompt_tokens=1, **kwargs)
+    too_long = run_make_data(target, tok, tmp_path / "long", max_prompt_tokens=1, **kwargs)
     assert too_long["counts"]["samples"] == 0 and too_long["counts"]["skipped_long_prompts"] == len(PROMPTS)
     assert sorted(tmp_path.iterdir()) == [src]
 
@@ -297,16 +248,7 @@ def test_later_turns_prompt_after_the_conversation_before_them(target, tmp_path)
         load_prompts(str(src), turn=0)
 
     tok = make_tokenizer()
-    manifest = make_data(
-        target,
-        tok,
-        tmp_path / "out",
-        source=str(src),
-        max_new_tokens=6,
-        held_out_fraction=0.4,
-        turn=2,
-        progress=False,
-    )
+    manifest = run_make_data(target, tok, tmp_path / "out", src, max_new_tokens=6, held_out_fraction=0.4, turn=2)
     data = load_training_data(tmp_path / "out")
     assert sorted(data["id"]) == sorted(p.id for p in train) and manifest["settings"]["turn"] == 2
     for row in data:
@@ -320,9 +262,7 @@ def test_later_turns_prompt_after_the_conversation_before_them(target, tmp_path)
     assert [(p.id, p.text, p.history) for p in again] == [(p.id, p.text, p.history) for p in held]
     # a folder made with one turn does not resume with another
     with pytest.raises(ValueError, match="turn"):
-        make_data(
-            target, tok, tmp_path / "out", source=str(src), max_new_tokens=6, held_out_fraction=0.4, progress=False
-        )
+        run_make_data(target, tok, tmp_path / "out", src, max_new_tokens=6, held_out_fraction=0.4)
 
 
 def test_plain_text_prompts_join_the_turns_with_blank_lines():
@@ -338,16 +278,7 @@ def test_plain_text_prompts_join_the_turns_with_blank_lines():
 def test_max_samples_and_plain_text_prompts(target, tmp_path):
     tok = make_tokenizer(chat_template=False)
     src = write_prompts(tmp_path / "p.jsonl")
-    manifest = make_data(
-        target,
-        tok,
-        tmp_path / "o",
-        source=str(src),
-        max_new_tokens=4,
-        held_out_fraction=0.0,
-        max_samples=3,
-        progress=False,
-    )
+    manifest = run_make_data(target, tok, tmp_path / "o", src, max_new_tokens=4, max_samples=3)
     data = load_training_data(tmp_path / "o")
     assert len(data) == 3 and manifest["settings"]["chat_template"] is False
     assert data[0]["input_ids"][0] == tok.bos_token_id
@@ -434,9 +365,7 @@ def test_make_data_captures_features_while_it_makes_rows(target, tmp_path, monke
     chats = [{"id": f"p{i}", "prompt": p, "response": "a reply " * (i + 1)} for i, p in enumerate(PROMPTS)]
     src = tmp_path / "chats.jsonl"
     src.write_text("".join(json.dumps(c) + "\n" for c in chats))
-    kwargs = dict(
-        source=str(src), max_new_tokens=10, held_out_fraction=0.0, batch_size=2, responses=responses, progress=False
-    )
+    kwargs = dict(source=src, max_new_tokens=10, batch_size=2, responses=responses, target_layer_ids=[1, 3])
     real_write = data_mod.write_part
     calls = {"parts": 0}
 
@@ -448,10 +377,10 @@ def test_make_data_captures_features_while_it_makes_rows(target, tmp_path, monke
 
     monkeypatch.setattr(data_mod, "write_part", dying_write)
     with pytest.raises(KeyboardInterrupt):
-        make_data(target, tok, tmp_path / "d", features_dir=tmp_path / "f", target_layer_ids=[1, 3], **kwargs)
+        run_make_data(target, tok, tmp_path / "d", features_dir=tmp_path / "f", **kwargs)
     assert len(read_index(tmp_path / "f")["shards"]) == 2  # one shard ahead of the parts
     monkeypatch.setattr(data_mod, "write_part", real_write)
-    make_data(target, tok, tmp_path / "d", features_dir=tmp_path / "f", target_layer_ids=[1, 3], **kwargs)
+    run_make_data(target, tok, tmp_path / "d", features_dir=tmp_path / "f", **kwargs)
     data = load_training_data(tmp_path / "d")
     index = read_index(tmp_path / "f")
     assert [s["end"] - s["start"] for s in index["shards"]] == [2, 2, 2] and index["num_rows"] == len(data)
@@ -460,16 +389,18 @@ def test_make_data_captures_features_while_it_makes_rows(target, tmp_path, monke
     reference = OfflineFeatureDataset(data, tmp_path / "ref", [1, 3])
     _features_close(captured, reference, len(data), generated=responses == "regenerate")
     with pytest.raises(ValueError, match="taps|target_layer_ids"):
-        make_data(target, tok, tmp_path / "d", features_dir=tmp_path / "f", target_layer_ids=[0, 3], **kwargs)
+        run_make_data(
+            target, tok, tmp_path / "d", features_dir=tmp_path / "f", **{**kwargs, "target_layer_ids": [0, 3]}
+        )
 
 
 def test_features_out_on_a_folder_made_without_them_is_refused(target, tmp_path):
     tok = make_tokenizer()
     src = write_prompts(tmp_path / "p.jsonl")
-    settings = dict(source=str(src), max_new_tokens=6, held_out_fraction=0.0, batch_size=2, progress=False)
-    make_data(target, tok, tmp_path / "d", max_samples=2, **settings)
+    settings = dict(source=src, max_new_tokens=6, batch_size=2)
+    run_make_data(target, tok, tmp_path / "d", max_samples=2, **settings)
     with pytest.raises(ValueError, match="cache-features"):
-        make_data(target, tok, tmp_path / "d", features_dir=tmp_path / "f", target_layer_ids=[1, 3], **settings)
+        run_make_data(target, tok, tmp_path / "d", features_dir=tmp_path / "f", target_layer_ids=[1, 3], **settings)
 
 
 @pytest.mark.parametrize("native, expected", [("AMX-BF16", torch.bfloat16), (None, torch.float32)])
@@ -477,8 +408,7 @@ def test_cache_features_auto_precision_follows_the_cpu(native, expected, target,
     """`cache-features --dtype auto` runs the target in bf16 only where the CPU computes it natively (emulated bf16 is
     several times slower than float32) and says what it picked; the stored features are bf16 either way."""
     tok = make_tokenizer()
-    source = str(write_prompts(tmp_path / "p.jsonl"))
-    make_data(target, tok, tmp_path / "d", source=source, max_new_tokens=4, held_out_fraction=0.0, progress=False)
+    run_make_data(target, tok, tmp_path / "d", write_prompts(tmp_path / "p.jsonl"), max_new_tokens=4)
     loaded = []
 
     def fake_load_target(name, dtype, device, progress):

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
-from testing_utils import make_oracle, make_target
+from testing_utils import corrupt_slots, make_oracle, make_target
 
 import dflash_hf
 from dflash_hf.engine.block_size import AdaptiveBlockSize, FixedBlockSize, make_block_size_policy
@@ -118,7 +118,7 @@ def test_adaptive_generation_is_lossless_and_varies_block_size():
     target = make_target("gemma3")
     input_ids = torch.randint(3, 64, (1, 20), generator=torch.Generator().manual_seed(4))
     reference = target.generate(input_ids, max_new_tokens=48, do_sample=False, eos_token_id=[99])
-    corrupt = {(pos, slot) for pos in range(120) for slot in range(1, 8) if (pos + slot) % 6 == 0}
+    corrupt = corrupt_slots(6, positions=120, block_size=8)
     oracle = make_oracle(target, [reference[0].tolist()], corrupt=corrupt, block_size=8)
     out = dflash_hf.generate(
         target,

@@ -14,8 +14,11 @@ from testing_utils import (
     GEMMA_SLIDING_WINDOW,
     VOCAB,
     OracleDrafter,
+    assert_rows_are_greedy,
+    assert_short_runs_are_greedy,
     chi_square,
     chi_square_bound,
+    corrupt_slots,
     exact_joint_of_tokens_2_and_3,
     greedy_reference,
     make_drafter,
@@ -274,15 +277,13 @@ def test_left_padded_batch_rows_each_follow_their_own_tree():
     ]
     input_ids = pad(prompts, 0, padding_side="left")
     attention_mask = pad([torch.ones_like(p) for p in prompts], 0, padding_side="left")
-    corrupt = {(pos, slot) for pos in range(80) for slot in range(1, 4) if (pos + 2 * slot) % 4 == 0}
+    corrupt = corrupt_slots(4, slot_step=2)
     for drafter in (make_drafter(target), second_choice_oracle(target, [r.tolist() for r in references], corrupt)):
         out = dflash_hf.generate(
             target, drafter, input_ids, attention_mask=attention_mask, max_new_tokens=MAX_NEW, eos_token_id=[99],
             candidates="tree", return_dict_in_generate=True,
         )  # fmt: skip
-        for i, (p, ref) in enumerate(zip(prompts, references)):
-            generated = ref[len(p) :]
-            assert torch.equal(out.sequences[i, input_ids.shape[1] :][: len(generated)], generated), f"row {i}"
+        assert_rows_are_greedy(out.sequences, input_ids.shape[1], prompts, references)
     assert len({tuple(widths) for widths in out.verify_widths}) > 1  # the rows verified trees of their own
 
 
@@ -300,12 +301,7 @@ def test_eos_and_max_new_tokens_inside_a_side_branch():
         return_dict_in_generate=True,
     )  # fmt: skip
     assert torch.equal(out.sequences, expected) and max(out.accepted_lengths[0]) > 1
-    for max_new_tokens in (1, 3, 6, 11):
-        expected = target.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[99])
-        out = dflash_hf.generate(
-            target, oracle, input_ids, max_new_tokens=max_new_tokens, eos_token_id=[99], candidates="tree"
-        )
-        assert torch.equal(out, expected), max_new_tokens
+    assert_short_runs_are_greedy(target, oracle, input_ids, "tree")
 
 
 def test_a_tree_held_to_one_branch_is_the_dflash_engine(monkeypatch):

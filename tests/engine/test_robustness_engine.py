@@ -10,36 +10,10 @@ import re
 
 import pytest
 import torch
-from testing_utils import make_drafter, make_oracle, make_target, make_tokenizer, strip
+from testing_utils import corrupt_slots, make_drafter, make_oracle, make_target, make_tokenizer, strip
 from tokenizers import decoders
 from transformers import StoppingCriteria, StoppingCriteriaList, WatermarkingConfig
-from transformers.generation.logits_process import (
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-    ExponentialDecayLengthPenalty,
-    ForcedBOSTokenLogitsProcessor,
-    ForcedEOSTokenLogitsProcessor,
-    InfNanRemoveLogitsProcessor,
-    LogitNormalization,
-    LogitsProcessor,
-    LogitsProcessorList,
-    MinLengthLogitsProcessor,
-    MinNewTokensLengthLogitsProcessor,
-    MinPLogitsWarper,
-    NoBadWordsLogitsProcessor,
-    NoRepeatNGramLogitsProcessor,
-    PrefixConstrainedLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-    SequenceBiasLogitsProcessor,
-    SuppressTokensAtBeginLogitsProcessor,
-    SuppressTokensLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopHLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    TypicalLogitsWarper,
-    WatermarkLogitsProcessor,
-)
+from transformers.generation import logits_process as processors
 
 import dflash_hf
 from dflash_hf.engine.block_size import AdaptiveBlockSize, FixedBlockSize
@@ -70,7 +44,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _oracle_for(target, plain: torch.Tensor):
     """An oracle proposing `plain`'s rows, wrong now and then (acceptance lengths vary across rows and cycles)."""
-    corrupt = {(pos, slot) for pos in range(64) for slot in range(1, 4) if (pos + 2 * slot) % 5 == 0}
+    corrupt = corrupt_slots(5, slot_step=2, positions=64)
     return make_oracle(target, [strip(row) for row in plain], corrupt=corrupt)
 
 
@@ -78,32 +52,32 @@ def _oracle_for(target, plain: torch.Tensor):
 # logits processors: every allowed one is exact per row and slot, everything else is refused
 
 
-def _row_wise_instances() -> list[LogitsProcessor]:
+def _row_wise_instances() -> list[processors.LogitsProcessor]:
     """One instance of every allowed processor, built the way `generate` builds it for a padded batch of 2."""
     return [
-        TemperatureLogitsWarper(0.7),
-        TopKLogitsWarper(5),
-        TopPLogitsWarper(0.8),
-        TopHLogitsWarper(0.4),
-        MinPLogitsWarper(0.1),
-        TypicalLogitsWarper(0.9),
-        EpsilonLogitsWarper(0.02),
-        EtaLogitsWarper(0.02),
-        SuppressTokensLogitsProcessor([5, 6, 7]),
-        InfNanRemoveLogitsProcessor(),
-        LogitNormalization(),
-        MinLengthLogitsProcessor(6, EOS),
-        MinNewTokensLengthLogitsProcessor(3, 3, EOS),
-        RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=torch.tensor([2, 0])),
-        NoRepeatNGramLogitsProcessor(2),
-        SequenceBiasLogitsProcessor([[[9], 4.0], [[4, 5], -3.0]]),
-        NoBadWordsLogitsProcessor([[9], [4, 5]], EOS),
-        PrefixConstrainedLogitsProcessor(lambda batch_id, sent: [3 + batch_id, 10 + int(sent[-1]) % 7], 1),
-        ForcedBOSTokenLogitsProcessor(1),
-        ForcedEOSTokenLogitsProcessor(7, EOS),
-        ExponentialDecayLengthPenalty((1, 1.5), EOS, 3),
-        SuppressTokensAtBeginLogitsProcessor([4, 8], 3),
-        WatermarkLogitsProcessor(vocab_size=64, device="cpu", bias=3.0),
+        processors.TemperatureLogitsWarper(0.7),
+        processors.TopKLogitsWarper(5),
+        processors.TopPLogitsWarper(0.8),
+        processors.TopHLogitsWarper(0.4),
+        processors.MinPLogitsWarper(0.1),
+        processors.TypicalLogitsWarper(0.9),
+        processors.EpsilonLogitsWarper(0.02),
+        processors.EtaLogitsWarper(0.02),
+        processors.SuppressTokensLogitsProcessor([5, 6, 7]),
+        processors.InfNanRemoveLogitsProcessor(),
+        processors.LogitNormalization(),
+        processors.MinLengthLogitsProcessor(6, EOS),
+        processors.MinNewTokensLengthLogitsProcessor(3, 3, EOS),
+        processors.RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=torch.tensor([2, 0])),
+        processors.NoRepeatNGramLogitsProcessor(2),
+        processors.SequenceBiasLogitsProcessor([[[9], 4.0], [[4, 5], -3.0]]),
+        processors.NoBadWordsLogitsProcessor([[9], [4, 5]], EOS),
+        processors.PrefixConstrainedLogitsProcessor(lambda batch_id, sent: [3 + batch_id, 10 + int(sent[-1]) % 7], 1),
+        processors.ForcedBOSTokenLogitsProcessor(1),
+        processors.ForcedEOSTokenLogitsProcessor(7, EOS),
+        processors.ExponentialDecayLengthPenalty((1, 1.5), EOS, 3),
+        processors.SuppressTokensAtBeginLogitsProcessor([4, 8], 3),
+        processors.WatermarkLogitsProcessor(vocab_size=64, device="cpu", bias=3.0),
     ]
 
 
@@ -116,9 +90,11 @@ def test_every_allowed_processor_scores_each_row_and_slot_as_plain_decoding_does
     sequences = torch.randint(3, 12, (2, 7), generator=generator)
     logits = torch.randn(2, 7, 64, generator=generator)
     for processor in instances:
-        ours = BlockLogitsProcessor(LogitsProcessorList([processor]))(logits.clone(), [0, 1], lambda: list(sequences))
+        ours = BlockLogitsProcessor(processors.LogitsProcessorList([processor]))(
+            logits.clone(), [0, 1], lambda: list(sequences)
+        )
         for slot in range(7):
-            plain = LogitsProcessorList([processor])(sequences[:, : slot + 1], logits[:, slot].clone())
+            plain = processors.LogitsProcessorList([processor])(sequences[:, : slot + 1], logits[:, slot].clone())
             assert torch.equal(ours[:, slot], plain), f"{type(processor).__name__}, slot {slot}"
 
 
@@ -144,16 +120,16 @@ GREEDY_CASES = {
     "renormalize_logits": dict(renormalize_logits=True, repetition_penalty=1.3),
     "watermarking_config": dict(watermarking_config=WatermarkingConfig(bias=6.0)),
     "warpers as logits_processor": dict(
-        logits_processor=LogitsProcessorList(
+        logits_processor=processors.LogitsProcessorList(
             [
-                TemperatureLogitsWarper(0.7),
-                TopHLogitsWarper(0.4),
-                TopKLogitsWarper(20),
-                TopPLogitsWarper(0.9),
-                MinPLogitsWarper(0.05),
-                TypicalLogitsWarper(0.95),
-                EpsilonLogitsWarper(0.001),
-                EtaLogitsWarper(0.001),
+                processors.TemperatureLogitsWarper(0.7),
+                processors.TopHLogitsWarper(0.4),
+                processors.TopKLogitsWarper(20),
+                processors.TopPLogitsWarper(0.9),
+                processors.MinPLogitsWarper(0.05),
+                processors.TypicalLogitsWarper(0.95),
+                processors.EpsilonLogitsWarper(0.001),
+                processors.EtaLogitsWarper(0.001),
             ]
         )
     ),
@@ -174,12 +150,12 @@ def test_allowed_processors_give_plain_greedy_output_on_a_padded_batch(target, c
     assert torch.equal(hooked, plain)
 
 
-class _UserProcessor(LogitsProcessor):
+class _UserProcessor(processors.LogitsProcessor):
     def __call__(self, input_ids, scores):
         return scores
 
 
-class _PenaltySubclass(RepetitionPenaltyLogitsProcessor):
+class _PenaltySubclass(processors.RepetitionPenaltyLogitsProcessor):
     """A subclass of an allowed processor: it may override `__call__`, so it is not on the list."""
 
 

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from testing_utils import GEMMA_SLIDING_WINDOW, greedy_reference, make_drafter, make_oracle, make_target
+from testing_utils import (
+    GEMMA_SLIDING_WINDOW,
+    assert_rows_are_greedy,
+    assert_short_runs_are_greedy,
+    corrupt_slots,
+    greedy_reference,
+    make_drafter,
+    make_oracle,
+    make_target,
+)
 
 import dflash_hf
 from dflash_hf.data.batching import pad
@@ -85,7 +94,7 @@ def test_two_branch_verify_is_lossless(family, oracle, oracle_lookup):
     reference = greedy_reference(target, input_ids, max_new_tokens=MAX_NEW)
     oracle_lookup([reference[0].tolist()])
     if oracle:
-        corrupt = {(pos, slot) for pos in range(80) for slot in range(1, 4) if (pos + slot) % 3 == 0}
+        corrupt = corrupt_slots(3)
         drafter = make_oracle(target, [reference[0].tolist()], corrupt=corrupt)
     else:
         drafter = make_drafter(target)
@@ -106,7 +115,7 @@ def test_batch_rows_each_keep_their_own_branch(oracle_lookup):
     input_ids = pad(prompts, 0, padding_side="left")
     attention_mask = pad([torch.ones_like(p) for p in prompts], 0, padding_side="left")
     width = input_ids.shape[1]
-    corrupt = {(pos, slot) for pos in range(80) for slot in range(1, 4) if (pos + 2 * slot) % 4 == 0}
+    corrupt = corrupt_slots(4, slot_step=2)
     oracle = make_oracle(target, [r.tolist() for r in references], corrupt=corrupt)
     for drafter in (make_drafter(target), oracle):
         out = dflash_hf.generate(
@@ -119,10 +128,7 @@ def test_batch_rows_each_keep_their_own_branch(oracle_lookup):
             candidates="dflash+lookup",
             return_dict_in_generate=True,
         )
-        for i, (p, ref) in enumerate(zip(prompts, references)):
-            generated = ref[len(p) :]
-            row = out.sequences[i, width:]
-            assert torch.equal(row[: len(generated)], generated), f"row {i}"
+        assert_rows_are_greedy(out.sequences, width, prompts, references)
         if drafter is not oracle:  # a random drafter: every row's longer runs come from its own lookup branch
             assert all(wins > 0 for wins in out.lookup_wins)
 
@@ -139,12 +145,7 @@ def test_eos_and_max_new_tokens_inside_the_lookup_branch(oracle_lookup):
         target, drafter, input_ids, max_new_tokens=MAX_NEW, eos_token_id=[99, stop], candidates="dflash+lookup"
     )
     assert torch.equal(out, expected)
-    for max_new_tokens in (1, 3, 6, 11):
-        expected = target.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[99])
-        out = dflash_hf.generate(
-            target, drafter, input_ids, max_new_tokens=max_new_tokens, eos_token_id=[99], candidates="dflash+lookup"
-        )
-        assert torch.equal(out, expected), max_new_tokens
+    assert_short_runs_are_greedy(target, drafter, input_ids, "dflash+lookup")
 
 
 def test_gemma_tree_past_the_sliding_window_is_exact(oracle_lookup):
@@ -239,7 +240,7 @@ def test_row_exact_bf16_tree_verify_equals_plain_bf16_greedy(family, oracle_look
     input_ids = _prompt(7, 2 * GEMMA_SLIDING_WINDOW + 3)
     reference = greedy_reference(reference_target, input_ids, max_new_tokens=MAX_NEW)
     oracle_lookup([reference[0].tolist()])
-    corrupt = {(pos, slot) for pos in range(80) for slot in range(1, 4) if (pos + slot) % 3 == 0}
+    corrupt = corrupt_slots(3)
     for drafter in (make_drafter(target), make_oracle(target, [reference[0].tolist()], corrupt=corrupt)):
         out = dflash_hf.generate(
             target, drafter.to(torch.bfloat16), input_ids, max_new_tokens=MAX_NEW, candidates="dflash+lookup",

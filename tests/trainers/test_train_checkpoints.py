@@ -14,9 +14,9 @@ import pytest
 import torch
 from dflash_hf.trainers import DFlashTrainer, DFlashTrainingConfig
 from dflash_hf.trainers.checkpoint_io import capture_rng_state, load_state, restore_rng_state, save_state
-from testing_utils import make_tiny_target, make_tokenizer, one_thread, write_prompts
+from testing_utils import make_tiny_target, make_tokenizer, one_thread, run_make_data, write_prompts
 
-from dflash_hf.data.make import load_training_data, make_data
+from dflash_hf.data.make import load_training_data
 
 PICKLE_MAGIC = (b"\x80", b"PK\x03\x04")  # pickle protocol >= 2; torch.save's zip container
 
@@ -31,15 +31,7 @@ def run(tmp_path_factory):
         target = make_tiny_target("llama")
         tok = make_tokenizer()
         root = tmp_path_factory.mktemp("ckpt")
-        make_data(
-            target,
-            tok,
-            root / "data",
-            source=str(write_prompts(root / "prompts.jsonl")),
-            max_new_tokens=16,
-            held_out_fraction=0.0,
-            progress=False,
-        )
+        run_make_data(target, tok, root / "data", write_prompts(root / "prompts.jsonl"), max_new_tokens=16)
         data = load_training_data(root / "data")
         trainer = make_trainer(target, tok, data, root / "full")
         trainer.train()

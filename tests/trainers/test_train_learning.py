@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 from dflash_hf.trainers import DFlashTrainer, DFlashTrainingConfig
-from testing_utils import PROMPTS, make_tiny_target, make_tokenizer, one_thread, write_prompts
+from testing_utils import PROMPTS, make_tiny_target, make_tokenizer, one_thread, run_make_data, write_prompts
 
 from dflash_hf import DFlashDraftModel, generate
-from dflash_hf.data.make import load_training_data, make_data
+from dflash_hf.data.make import load_training_data
 from dflash_hf.data.prompts import encode_prompt
 
 BLOCK = 8
@@ -30,16 +30,7 @@ def test_training_raises_engine_tau(tmp_path):
         target = make_tiny_target("llama", seed=0)
         tok = make_tokenizer()
         src = write_prompts(tmp_path / "p.jsonl")
-        make_data(
-            target,
-            tok,
-            tmp_path / "data",
-            source=str(src),
-            max_new_tokens=NEW_TOKENS,
-            held_out_fraction=0.0,
-            batch_size=6,
-            progress=False,
-        )
+        run_make_data(target, tok, tmp_path / "data", src, max_new_tokens=NEW_TOKENS, batch_size=6)
         data = load_training_data(tmp_path / "data")
         args = DFlashTrainingConfig(
             output_dir=str(tmp_path / "run"),

@@ -11,7 +11,7 @@ from dflash_hf.trainers import DFlashDataCollator, DFlashTrainer, DFlashTraining
 from dflash_hf.trainers.initialisation import initialise_from_target
 from dflash_hf.trainers.masks import valid_anchor_positions
 from dflash_hf.trainers.optimizers import MuonWithAdamW, newton_schulz_float32_pays, orthogonalise_in_float32
-from testing_utils import REPO, make_tiny_target, tiny_train_config, write_prompts
+from testing_utils import REPO, make_tiny_target, run_make_data, tiny_train_config, write_prompts
 
 from dflash_hf.data.features import OfflineFeatureDataset, cache_features
 from dflash_hf.data.make import load_training_data
@@ -25,6 +25,18 @@ config = tiny_train_config
 
 def full_batch(data):
     return DFlashDataCollator(pad_token_id=0)([data[i] for i in range(len(data))])
+
+
+def trainer_of(tiny_data, output_dir, **recipe) -> DFlashTrainer:
+    """A trainer of `tiny_data`'s target on its rows, with the tiny recipe changed by `recipe`."""
+    target, tok, data = tiny_data
+    return DFlashTrainer(args=config(output_dir, **recipe), target=target, train_dataset=data, processing_class=tok)
+
+
+def seeded_anchors(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """8 anchors a row of `batch` (B = 4), drawn by a generator seeded 0."""
+    lengths = batch["attention_mask"].sum(1)
+    return sample_anchors(batch["loss_mask"], lengths, 4, 8, generator=torch.Generator().manual_seed(0))
 
 
 def test_coverage_every_response_position_is_an_anchor(tiny_data):
@@ -67,13 +79,10 @@ def _weighted_slot_loss(trainer, target, batch, anchors, slot_loss, differentiab
 def test_distillation_pulls_towards_the_targets_distribution(tiny_data, tmp_path):
     """w=1 is exactly the cross-entropy against the target's softmax one position before each slot; w=0 is the
     hard-label loss; the mix is linear."""
-    target, tok, data = tiny_data
-    trainer = DFlashTrainer(
-        args=config(tmp_path / "a", distill_weight=1.0), target=target, train_dataset=data, processing_class=tok
-    )
+    target, _, data = tiny_data
+    trainer = trainer_of(tiny_data, tmp_path / "a", distill_weight=1.0)
     batch = full_batch(data)
-    torch.manual_seed(0)
-    anchors = sample_anchors(batch["loss_mask"], batch["attention_mask"].sum(1), 4, 8)
+    anchors = seeded_anchors(batch)
     with torch.no_grad():
         soft, _ = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
         trainer.distill_weight = 0.0
@@ -93,13 +102,10 @@ def test_distillation_pulls_towards_the_targets_distribution(tiny_data, tmp_path
 def test_total_variation_loss_is_deepspecs_mix(tiny_data, tmp_path):
     """tv_weight=t: (1 - t) * CE(label) + t * TV, with TV recomputed by hand slot by slot against the target's softmax
     one position before each slot; the trainer's gradient is autograd's of that reference."""
-    target, tok, data = tiny_data
-    trainer = DFlashTrainer(
-        args=config(tmp_path / "a", tv_weight=0.9), target=target, train_dataset=data, processing_class=tok
-    )
+    target, _, data = tiny_data
+    trainer = trainer_of(tiny_data, tmp_path / "a", tv_weight=0.9)
     batch = full_batch(data)
-    torch.manual_seed(0)
-    anchors = sample_anchors(batch["loss_mask"], batch["attention_mask"].sum(1), 4, 8)
+    anchors = seeded_anchors(batch)
     with torch.no_grad():
         mixed, _ = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
         trainer.tv_weight = 0.0
@@ -132,13 +138,10 @@ def test_tv_weight_is_checked_and_needs_the_teacher(tmp_path):
 def test_target_hard_labels_are_the_targets_argmax(tiny_data, tmp_path):
     """hard_labels='target': on regenerated data the same labels as the data's; on teacher-forced (here: corrupted)
     text the target's own argmax one position before each slot, recomputed by hand."""
-    target, tok, data = tiny_data
-    trainer = DFlashTrainer(
-        args=config(tmp_path / "a", hard_labels="target"), target=target, train_dataset=data, processing_class=tok
-    )
+    target, _, data = tiny_data
+    trainer = trainer_of(tiny_data, tmp_path / "a", hard_labels="target")
     batch = full_batch(data)
-    torch.manual_seed(0)
-    anchors = sample_anchors(batch["loss_mask"], batch["attention_mask"].sum(1), 4, 8)
+    anchors = seeded_anchors(batch)
 
     def losses(batch):
         with torch.no_grad():
@@ -165,17 +168,10 @@ def test_target_hard_labels_are_the_targets_argmax(tiny_data, tmp_path):
 
 def test_distillation_training_reaches_lower_teacher_loss(tiny_data, tmp_path):
     """A few steps with w=1 lower the soft loss (the student moves towards the teacher)."""
-    target, tok, data = tiny_data
-    trainer = DFlashTrainer(
-        args=config(tmp_path, distill_weight=1.0, max_steps=12, learning_rate=3e-3),
-        target=target,
-        train_dataset=data,
-        processing_class=tok,
-    )
+    data = tiny_data[2]
+    trainer = trainer_of(tiny_data, tmp_path, distill_weight=1.0, max_steps=12, learning_rate=3e-3)
     batch = full_batch(data)
-    anchors = sample_anchors(
-        batch["loss_mask"], batch["attention_mask"].sum(1), 4, 8, generator=torch.Generator().manual_seed(0)
-    )
+    anchors = seeded_anchors(batch)
     with torch.no_grad():
         before, _ = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
     trainer.train()
@@ -186,18 +182,14 @@ def test_distillation_training_reaches_lower_teacher_loss(tiny_data, tmp_path):
 
 def test_offline_final_hidden_matches_online_distillation(tiny_data, tmp_path):
     target, tok, data = tiny_data
-    trainer = DFlashTrainer(
-        args=config(tmp_path / "on", distill_weight=1.0), target=target, train_dataset=data, processing_class=tok
-    )
+    trainer = trainer_of(tiny_data, tmp_path / "on", distill_weight=1.0)
     feats = tmp_path / "features"
     cache_features(target, data, feats, trainer.model.config.target_layer_ids, batch_size=2, progress=False)
     offline = OfflineFeatureDataset(data, feats, trainer.model.config.target_layer_ids)
     assert offline.has_final_hidden and offline[0]["target_final_hidden"].shape[-1] == target.config.hidden_size
     batch = full_batch(data)
     off_batch = DFlashDataCollator(pad_token_id=0)([offline[i] for i in range(len(offline))])
-    anchors = sample_anchors(
-        batch["loss_mask"], batch["attention_mask"].sum(1), 4, 8, generator=torch.Generator().manual_seed(0)
-    )
+    anchors = seeded_anchors(batch)
     with torch.no_grad():
         online, _ = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
         cached, _ = trainer.dflash_loss(trainer.model, off_batch, anchors=anchors)
@@ -216,10 +208,8 @@ def test_offline_final_hidden_matches_online_distillation(tiny_data, tmp_path):
 
 
 def test_init_from_target_copies_the_top_layers(tiny_data, tmp_path):
-    target, tok, data = tiny_data
-    trainer = DFlashTrainer(
-        args=config(tmp_path, init_from_target=True), target=target, train_dataset=data, processing_class=tok
-    )
+    target = tiny_data[0]
+    trainer = trainer_of(tiny_data, tmp_path, init_from_target=True)
     drafter = trainer.model
     layers = target.model.layers
     top = len(layers) - 2
@@ -241,11 +231,8 @@ def test_init_from_target_copies_the_top_layers(tiny_data, tmp_path):
 @pytest.mark.parametrize("native", [None, "AMX-BF16"])
 def test_muon_optimises_matrices_and_adamw_the_rest(native, tiny_data, tmp_path, monkeypatch):
     """Muon for the 2-D weights, AdamW for the rest; on a CPU without native bf16 Muon orthogonalises in float32."""
-    target, tok, data = tiny_data
     monkeypatch.setattr("dflash_hf.runtime.native_bf16_feature", lambda: native)
-    trainer = DFlashTrainer(
-        args=config(tmp_path, muon=True, max_steps=2), target=target, train_dataset=data, processing_class=tok
-    )
+    trainer = trainer_of(tiny_data, tmp_path, muon=True, max_steps=2)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
@@ -396,10 +383,8 @@ def test_train_offers_the_export_formats_it_writes(tmp_path, capsys):
 
 
 def test_max_train_samples_trains_on_a_prefix(tiny_data, tmp_path):
-    target, tok, data = tiny_data
-    trainer = DFlashTrainer(
-        args=config(tmp_path, max_train_samples=2), target=target, train_dataset=data, processing_class=tok
-    )
+    data = tiny_data[2]
+    trainer = trainer_of(tiny_data, tmp_path, max_train_samples=2)
     assert len(trainer.train_dataset) == 2
     assert [trainer.train_dataset[i]["input_ids"] for i in range(2)] == [data[i]["input_ids"] for i in range(2)]
     with pytest.raises(ValueError, match="max_train_samples"):
@@ -408,12 +393,7 @@ def test_max_train_samples_trains_on_a_prefix(tiny_data, tmp_path):
 
 def test_skip_train_samples_trains_on_the_rows_a_grown_folder_added(tiny_data, tmp_path):
     target, tok, data = tiny_data
-    trainer = DFlashTrainer(
-        args=config(tmp_path, skip_train_samples=1, max_train_samples=2),
-        target=target,
-        train_dataset=data,
-        processing_class=tok,
-    )
+    trainer = trainer_of(tiny_data, tmp_path, skip_train_samples=1, max_train_samples=2)
     assert [trainer.train_dataset[i]["input_ids"] for i in range(len(trainer.train_dataset))] == [
         data[i]["input_ids"] for i in range(1, 3)
     ]
@@ -434,17 +414,7 @@ def test_train_command_reads_a_yaml_recipe_and_flags_override_it(tiny_data, tmp_
     target, tok, _ = tiny_data
     target.save_pretrained(tmp_path / "target")
     tok.save_pretrained(tmp_path / "target")
-    from dflash_hf.data.make import make_data
-
-    make_data(
-        target,
-        tok,
-        tmp_path / "data",
-        source=str(write_prompts(tmp_path / "p.jsonl")),
-        max_new_tokens=12,
-        held_out_fraction=0.0,
-        progress=False,
-    )
+    run_make_data(target, tok, tmp_path / "data", write_prompts(tmp_path / "p.jsonl"), max_new_tokens=12)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
         f"target: {tmp_path / 'target'}\ndata: {tmp_path / 'data'}\nbase_model: test-org/tiny\n"
@@ -463,10 +433,7 @@ def test_train_command_reads_a_yaml_recipe_and_flags_override_it(tiny_data, tmp_
     replies.write_text(
         "".join(json.dumps({"id": f"c{i}", "prompt": f"hi {i}", "response": "yo " * (i + 1)}) + "\n" for i in range(3))
     )
-    make_data(
-        target, tok, tmp_path / "tf", source=str(replies), max_new_tokens=12, held_out_fraction=0.0,
-        responses="source", progress=False,
-    )  # fmt: skip
+    run_make_data(target, tok, tmp_path / "tf", replies, max_new_tokens=12, responses="source")
     both = f"{tmp_path / 'data'},{tmp_path / 'tf'}"
     argv = ["train", "--config", str(recipe), "--data", both, "--hard_labels", "target", "--output_dir"]
     # a reduced draft vocabulary: its coverage is logged at --log_level info and recorded on the card
