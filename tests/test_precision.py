@@ -19,7 +19,7 @@ from testing_utils import (
     save_tiny_target,
 )
 
-from dflash_hf import DFlashConfig, DFlashDraftModel, cli, costs, fileio, generate, mkl_choice, runtime
+from dflash_hf import cli, costs, fileio, generate, mkl_choice, runtime
 from dflash_hf import precision as precision_module
 from dflash_hf.bench import profile as profile_module
 from dflash_hf.bench.profile import measure_costs
@@ -306,9 +306,7 @@ def test_commands_choose_the_mkl_mode_before_loading_and_report_it(folders, monk
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("precision")
     target_dir = save_tiny_target(root / "target")
-    config = DFlashConfig.from_target(make_llama().config, num_hidden_layers=2, block_size=4, num_target_features=2)
-    torch.manual_seed(3)
-    DFlashDraftModel(config).save_pretrained(root / "drafter")
+    make_drafter(make_llama(), seed=3, num_layers=2).save_pretrained(root / "drafter")
     return target_dir, root / "drafter"
 
 
@@ -460,52 +458,17 @@ def test_matmul_floor_times_every_linear_layer_and_the_head_on_k_rows(monkeypatc
 def test_profile_command_writes_json_and_plot(folders, tmp_path, capsys):
     target_dir, drafter_dir = folders
     out = tmp_path / "profile"
-    code = cli.main(
-        [
-            "profile",
-            "--target",
-            str(target_dir),
-            "--drafter",
-            str(drafter_dir),
-            "--tokens",
-            "1,2,4",
-            "--context",
-            "8",
-            "--repeats",
-            "1",
-            "--threads",
-            "1",
-            "--out",
-            str(out),
-        ]
-    )
+    models = ["--target", str(target_dir), "--drafter", str(drafter_dir)]
+    settings = ["--context", "8", "--repeats", "1", "--out", str(out)]
+    code = cli.main(["profile", *models, "--tokens", "1,2,4", *settings, "--threads", "1"])
     assert code == 0
     document = json.loads((out / "profile.json").read_text())
     assert [p["dtype"] for p in document["profiles"]] == ["float32", "bfloat16"]
-    code = cli.main(
-        [
-            "profile",
-            "--target",
-            str(target_dir),
-            "--drafter",
-            str(drafter_dir),
-            "--tokens",
-            "1,4",
-            "--dtypes",
-            "bfloat16",
-            "--inexact",
-            "--context",
-            "8",
-            "--repeats",
-            "1",
-            "--out",
-            str(out),
-        ]
-    )
+    code = cli.main(["profile", *models, "--tokens", "1,4", "--dtypes", "bfloat16", "--inexact", *settings])
     profiles = json.loads((out / "profile.json").read_text())["profiles"]
     expected = ["bfloat16", "bfloat16, not exact"] if profiles[0]["row_exact"] else ["bfloat16"]
     assert code == 0 and [p["dtype"] for p in profiles] == expected
     assert (out / "profile.png").read_bytes()[:4] == b"\x89PNG"
     printed = capsys.readouterr().out
     assert "float32 (as requested)" in printed and "4 tok" in printed
-    assert cli.main(["profile", "--target", str(target_dir), "--drafter", str(drafter_dir), "--dtypes", "fp8"]) == 2
+    assert cli.main(["profile", *models, "--dtypes", "fp8"]) == 2

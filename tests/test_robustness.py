@@ -56,14 +56,11 @@ def pair():
 def folders(tmp_path_factory) -> dict[str, Path]:
     """A tiny target folder, a drafter built for it (plain, exported, damaged copies) and one built for another."""
     root = tmp_path_factory.mktemp("robust")
-    target_config = make_llama().config
-    torch.manual_seed(3)
-    drafter = DFlashDraftModel(
-        DFlashConfig.from_target(target_config, num_hidden_layers=1, block_size=4, num_target_features=2)
-    )
+    llama = make_llama()
+    drafter = make_drafter(llama, seed=3, num_layers=1)
     paths = {"target": save_tiny_target(root / "target"), "drafter": root / "drafter", "export": root / "export"}
     drafter.save_pretrained(paths["drafter"])
-    dflash_hf.export(drafter, paths["export"], target=target_config, base_model="org/tiny")
+    dflash_hf.export(drafter, paths["export"], target=llama.config, base_model="org/tiny")
     weights = (paths["drafter"] / "model.safetensors").read_bytes()
     for name, source in (("truncated", "drafter"), ("truncated_export", "export"), ("bad_config", "export")):
         paths[name] = root / name
@@ -71,7 +68,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     for name in ("truncated", "truncated_export"):
         (paths[name] / "model.safetensors").write_bytes(weights[: len(weights) // 2])
     (paths["bad_config"] / "config.json").write_text('{"model_type": "dflash",')
-    other = LlamaConfig(**{**target_config.to_dict(), "num_hidden_layers": 30})
+    other = LlamaConfig(**{**llama.config.to_dict(), "num_hidden_layers": 30})
     paths["other"] = root / "other-drafter"
     DFlashDraftModel(DFlashConfig.from_target(other, num_hidden_layers=1, num_target_features=5)).save_pretrained(
         paths["other"]

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from testing_utils import REPO, WORDS, make_llama, save_tiny_target
+from testing_utils import REPO, WORDS, make_drafter, make_llama, save_tiny_target
 
 import dflash_hf
-from dflash_hf import DFlashConfig, DFlashDraftModel, cli, targets
+from dflash_hf import DFlashDraftModel, cli, targets
 from dflash_hf.data.features import OfflineFeatureDataset
 from dflash_hf.data.make import load_training_data
 from dflash_hf.data.prompts import load_prompts
@@ -35,13 +35,10 @@ PROMPTS = [f"{a} {b} {c}" for a, b, c in zip(WORDS, WORDS[3:], WORDS[6:])][:6]
 def folders(tmp_path_factory) -> dict[str, Path]:
     """A tiny target folder, a drafter export for it and damaged or hostile copies of both, by case name."""
     root = tmp_path_factory.mktemp("files")
-    target_config = make_llama().config
-    torch.manual_seed(3)
-    drafter = DFlashDraftModel(
-        DFlashConfig.from_target(target_config, num_hidden_layers=1, block_size=4, num_target_features=2)
-    )
+    llama = make_llama()
+    drafter = make_drafter(llama, seed=3, num_layers=1)
     paths = {"root": root, "target": save_tiny_target(root / "target"), "export": root / "export"}
-    dflash_hf.export(drafter, paths["export"], target=target_config, base_model="org/tiny")
+    dflash_hf.export(drafter, paths["export"], target=llama.config, base_model="org/tiny")
     (root / "secret.txt").write_text("a stand-in secret\n")
     for name, damage in FOLDER_DAMAGES.items():
         paths[name] = root / name

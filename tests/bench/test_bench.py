@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from testing_utils import make_llama, make_oracle, make_target, make_word_tokenizer, save_tiny_target
+from testing_utils import make_drafter, make_llama, make_oracle, make_target, make_word_tokenizer, save_tiny_target
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, bench, cli, runtime
 from dflash_hf.commands.bench import _command_line
@@ -503,10 +503,8 @@ def test_tau_per_benchmark(setup):
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
     target_dir = save_tiny_target(root / "target")
-    config = DFlashConfig.from_target(make_llama().config, num_hidden_layers=1, block_size=4, num_target_features=2)
-    torch.manual_seed(3)
     drafter_dir = root / "drafter"
-    DFlashDraftModel(config).save_pretrained(drafter_dir)
+    make_drafter(make_llama(), seed=3, num_layers=1).save_pretrained(drafter_dir)
     prompts = root / "prompts.jsonl"
     rows = [{"prompt": "the cat sat on the mat"}, {"text": "code def"}]
     prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))

@@ -7,10 +7,10 @@ import re
 
 import pytest
 import torch
-from testing_utils import COMPARE, SUMMARY, make_llama, save_tiny_target
+from testing_utils import COMPARE, SUMMARY, make_drafter, make_llama, save_tiny_target
 from transformers import AutoTokenizer
 
-from dflash_hf import DFlashConfig, DFlashDraftModel, cli, drafters, fileio, precision, runtime, targets
+from dflash_hf import cli, drafters, fileio, precision, runtime, targets
 
 
 @pytest.fixture(scope="module")
@@ -18,10 +18,8 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("generate")
     target_dir = save_tiny_target(root / "target")
     plain_dir = save_tiny_target(root / "plain-target", chat_template=None)
-    config = DFlashConfig.from_target(make_llama().config, num_hidden_layers=2, block_size=4, num_target_features=2)
-    torch.manual_seed(3)
     drafter_dir = root / "drafter"
-    DFlashDraftModel(config).save_pretrained(drafter_dir)
+    make_drafter(make_llama(), seed=3, num_layers=2).save_pretrained(drafter_dir)
     return {"target": target_dir, "plain": plain_dir, "drafter": drafter_dir}
 
 
