@@ -192,6 +192,17 @@ def greedy_reference(target, input_ids, attention_mask=None, max_new_tokens: int
     return target.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False)
 
 
+def left_padded(prompts) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(input_ids, attention_mask)` of `prompts` (token lists or 1-D tensors) padded on the left with id 0."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, prompt in enumerate(prompts):
+        input_ids[i, width - len(prompt) :] = torch.as_tensor(prompt)
+        attention_mask[i, width - len(prompt) :] = 1
+    return input_ids, attention_mask
+
+
 def assert_rows_are_greedy(sequences: torch.Tensor, width: int, prompts, references, label: object = None) -> None:
     """Each row of a left-padded batch's `sequences` (prompts `width` wide) goes on as its own plain greedy
     `references[i]` (prompt included) does, then holds padding only."""

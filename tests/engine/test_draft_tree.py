@@ -21,6 +21,7 @@ from testing_utils import (
     corrupt_slots,
     exact_joint_of_tokens_2_and_3,
     greedy_reference,
+    left_padded,
     make_drafter,
     make_target,
     tiny_sampling_models,
@@ -29,7 +30,6 @@ from testing_utils import (
 import dflash_hf
 import dflash_hf.engine.token_choice as token_choice
 from dflash_hf import DFlashConfig
-from dflash_hf.data.batching import pad
 from dflash_hf.engine import draft_tree
 from dflash_hf.engine.draft_tree import (
     PRIOR_COST_PER_TOKEN,
@@ -275,8 +275,7 @@ def test_left_padded_batch_rows_each_follow_their_own_tree():
     references = [  # no EOS (99 is never generated): every row runs its full length
         target.generate(p[None], max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=[99])[0] for p in prompts
     ]
-    input_ids = pad(prompts, 0, padding_side="left")
-    attention_mask = pad([torch.ones_like(p) for p in prompts], 0, padding_side="left")
+    input_ids, attention_mask = left_padded(prompts)
     corrupt = corrupt_slots(4, slot_step=2)
     for drafter in (make_drafter(target), second_choice_oracle(target, [r.tolist() for r in references], corrupt)):
         out = dflash_hf.generate(

@@ -9,6 +9,7 @@ from testing_utils import (
     assert_rows_are_greedy,
     corrupt_slots,
     greedy_reference,
+    left_padded,
     make_drafter,
     make_oracle,
     make_target,
@@ -74,13 +75,8 @@ def test_batch_rows_match_their_own_greedy_output(family):
     target = make_target(family)
     prompts = [_prompt(10 + i, n)[0] for i, n in enumerate([5, 13, 9])]
     references = [greedy_reference(target, p[None], max_new_tokens=MAX_NEW)[0] for p in prompts]
-    width = max(len(p) for p in prompts)
-    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, p in enumerate(prompts):
-        input_ids[i, width - len(p) :] = p
-        attention_mask[i, width - len(p) :] = 1
-
+    input_ids, attention_mask = left_padded(prompts)
+    width = input_ids.shape[1]
     corrupt = corrupt_slots(4, slot_step=2)
     for drafter in (make_drafter(target), make_oracle(target, [r.tolist() for r in references], corrupt=corrupt)):
         out = dflash_hf.generate(

@@ -17,6 +17,7 @@ from testing_utils import (
     chi_square_bound,
     exact_joint_of_tokens_2_and_3,
     greedy_reference,
+    left_padded,
     make_drafter,
     make_target,
     run_make_data,
@@ -56,16 +57,6 @@ def bigram_head(drafter: DFlashDraftModel, continuations: list[list[int]]) -> DF
             for previous, token in zip(tokens, tokens[1:]):
                 w2[token, previous] = 60.0
     return drafter
-
-
-def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, prompt in enumerate(prompts):
-        input_ids[i, width - len(prompt) :] = torch.tensor(prompt)
-        attention_mask[i, width - len(prompt) :] = 1
-    return input_ids, attention_mask
 
 
 def record_proposals(monkeypatch) -> list[dict]:

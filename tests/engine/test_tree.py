@@ -11,13 +11,13 @@ from testing_utils import (
     assert_short_runs_are_greedy,
     corrupt_slots,
     greedy_reference,
+    left_padded,
     make_drafter,
     make_oracle,
     make_target,
 )
 
 import dflash_hf
-from dflash_hf.data.batching import pad
 from dflash_hf.engine import lookup as lookup_module
 from dflash_hf.engine.lookup import LookupBranchChoice, lookup_branch_trees, lookup_continuation
 from dflash_hf.engine.tree import accept_tree, ancestor_mask, tree_path
@@ -112,8 +112,7 @@ def test_batch_rows_each_keep_their_own_branch(oracle_lookup):
         target.generate(p[None], max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=[99])[0] for p in prompts
     ]
     oracle_lookup([r.tolist() for r in references])
-    input_ids = pad(prompts, 0, padding_side="left")
-    attention_mask = pad([torch.ones_like(p) for p in prompts], 0, padding_side="left")
+    input_ids, attention_mask = left_padded(prompts)
     width = input_ids.shape[1]
     corrupt = corrupt_slots(4, slot_step=2)
     oracle = make_oracle(target, [r.tolist() for r in references], corrupt=corrupt)
