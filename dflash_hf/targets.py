@@ -28,6 +28,7 @@ Any other name is passed to `AutoModelForCausalLM.from_pretrained` unchanged (a 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import json
@@ -295,6 +296,23 @@ def _write_marker(directory: Path, spec: TargetSpec) -> None:
     (directory / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
 
 
+@contextlib.contextmanager
+def _gguf_reader_bar(shown: bool):
+    """Transformers' GGUF reader shows a bar per tensor through a plain `tqdm`, which its own progress-bar switch does
+    not reach: within this block it is hidden unless `shown`."""
+    from transformers import modeling_gguf_pytorch_utils as reader
+
+    if shown:
+        yield
+        return
+    bar = reader.tqdm
+    reader.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        reader.tqdm = bar
+
+
 def _build(spec: TargetSpec, final: Path, progress: bool) -> None:
     """Build the cache of `spec` into `final`, with a progress bar unless `progress` is false."""
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -305,7 +323,8 @@ def _build(spec: TargetSpec, final: Path, progress: bool) -> None:
             scratch.mkdir()
             output = building / "model"
             bar.set_postfix_str("dequantizing (30-100 s)")
-            model, tokenizer = spec.load_source(scratch)
+            with _gguf_reader_bar(progress):
+                model, tokenizer = spec.load_source(scratch)
             shutil.rmtree(scratch)
             bar.update()
             bar.set_postfix_str("saving safetensors")

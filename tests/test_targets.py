@@ -14,6 +14,7 @@ import pytest
 import torch
 from testing_utils import WORD_CHAT_TEMPLATE, make_llama, save_tiny_target
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+from transformers import modeling_gguf_pytorch_utils as gguf_reader
 
 from dflash_hf import fileio, targets
 from dflash_hf.fileio import cache_dir
@@ -36,6 +37,8 @@ def tiny_spec(tmp_path, monkeypatch):
     def load_source(scratch: Path):
         assert scratch.is_dir() and not any(scratch.iterdir())
         calls.append(scratch)
+        for _ in gguf_reader.tqdm(range(2), desc="Converting and de-quantizing GGUF tensors..."):
+            pass  # the bar Transformers' GGUF reader shows while it dequantizes
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
         # what a GGUF load leaves behind, and what must not reach the saved checkpoint
         model.hf_quantizer = object()
@@ -102,6 +105,14 @@ def test_build_once_then_reuse(cache_root, tiny_spec, tmp_path):
 
     load_target("tiny-llama")
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("progress", [True, False], ids=["bars", "quiet"])
+def test_a_quiet_build_hides_the_gguf_readers_bar_too(cache_root, tiny_spec, capsys, progress):
+    resolve_target_dir("tiny-llama", progress=progress)
+    shown = capsys.readouterr().err
+    assert ("Caching target tiny-llama" in shown) == progress
+    assert ("de-quantizing GGUF tensors" in shown) == progress
 
 
 def _flip_byte(path: Path) -> None:
