@@ -109,3 +109,37 @@ def test_the_remote_code_imports_only_itself(graph):
         module: sorted(t for t in targets if not inside(t)) for module, targets in graph.items() if inside(module)
     }
     assert {module: targets for module, targets in outside.items() if targets} == {}
+
+
+def unit_of(module: str) -> str:
+    """The unit of the layer picture a module belongs to: a package of `dflash_hf` or a top-level module."""
+    parts = module.split(".")
+    if parts[0] == "dflash_hf" and len(parts) > 2:
+        return ".".join(parts[:2])
+    return module
+
+
+def picture_unit(name: str) -> str:
+    """The module named by an entry of docs/design.md's layer picture (`engine/`, `targets.py`, ...)."""
+    special = {"dflash_hf/__init__.py": "dflash_hf", "dflash_hf_launcher": "dflash_hf_launcher"}
+    return special.get(name, "dflash_hf." + name.removesuffix("/").removesuffix(".py"))
+
+
+def test_the_design_documents_picture_is_the_import_graph(graph):
+    """Each unit stands one floor above the highest unit it imports, as docs/design.md draws it."""
+    units: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        units.setdefault(unit_of(module), set()).update(unit_of(t) for t in targets if unit_of(t) != unit_of(module))
+
+    def floor(unit: str) -> int:
+        return max((floor(t) + 1 for t in units[unit]), default=0)
+
+    text = (REPO / "docs" / "design.md").read_text()
+    picture = text.split("this picture (", 1)[1].split("```\n", 2)[1]
+    drawn = {}
+    for line in picture.splitlines():
+        number, *entries = line.split()
+        drawn.update(
+            {picture_unit(entry): int(number) for entry in entries if entry.endswith((".py", "/", "launcher"))}
+        )
+    assert drawn == {unit: floor(unit) for unit in units}

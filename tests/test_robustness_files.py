@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from testing_utils import REPO, WORDS, make_drafter, make_llama, save_tiny_target
 
 import dflash_hf
-from dflash_hf import DFlashDraftModel, cli, targets
+from dflash_hf import DFlashDraftModel, cli, target_cache
 from dflash_hf.data.features import OfflineFeatureDataset
 from dflash_hf.data.make import load_training_data
 from dflash_hf.data.prompts import load_prompts
@@ -386,10 +386,10 @@ def test_a_target_cache_marker_cannot_name_files_outside_its_folder(tmp_path):
         name: {"size": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
         for name, path in (("config.json", folder / "config.json"), ("../../secret.txt", outside))
     }
-    marker = {"format": targets.CACHE_FORMAT, "target": "tiny", "files": files}
-    (folder / targets.MARKER_FILE).write_text(json.dumps(marker))
-    spec = targets.TargetSpec("tiny", "a stand-in", "no-such-distribution", load_source=None)
-    assert targets.cache_problem(folder, spec) == "completion marker names '../../secret.txt', outside the folder"
+    marker = {"format": target_cache.CACHE_FORMAT, "target": "tiny", "files": files}
+    (folder / target_cache.MARKER_FILE).write_text(json.dumps(marker))
+    spec = target_cache.TargetSpec("tiny", "a stand-in", "no-such-distribution", load_source=None)
+    assert target_cache.cache_problem(folder, spec) == "completion marker names '../../secret.txt', outside the folder"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ from transformers import modeling_gguf_pytorch_utils as gguf_reader
 
 from dflash_hf import fileio, targets
 from dflash_hf.fileio import cache_dir
-from dflash_hf.targets import MARKER_FILE, TargetSpec, cache_problem, load_target, resolve_target_dir
+from dflash_hf.target_cache import MARKER_FILE, TargetSpec, cache_problem
+from dflash_hf.targets import load_target, resolve_target_dir
 
 
 @pytest.fixture
