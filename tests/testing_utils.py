@@ -472,20 +472,29 @@ class StandInServer:
     completions server (`api="openai"`), with a tiny target's greedy answers; for make-data's `--server` tests.
 
     `tokenizer` is what `/tokenize` uses (another tokenizer stands in a server of another model), `vocab_size` what
-    `/v1/models` reports (llama.cpp only), `token_ids=False` a server that returns no token ids. `most_in_flight`
-    counts the most completion requests served at once. Use as a context manager; `url` is its address.
+    `/v1/models` reports (llama.cpp only), `token_ids=False` a server that returns no token ids, `slow_first` the
+    seconds the first completion request takes longer. `most_in_flight` counts the most completion requests served at
+    once, `started_while_first_ran` those that began while the first one was served. Use as a context manager; `url`
+    is its address.
     """
 
     def __init__(
-        self, target, tokenizer, api: str = "llama.cpp", vocab_size: int | None = None, token_ids: bool = True
+        self,
+        target,
+        tokenizer,
+        api: str = "llama.cpp",
+        vocab_size: int | None = None,
+        token_ids: bool = True,
+        slow_first: float = 0.0,
     ):
         import http.server
         import threading
 
         self.target, self.tokenizer, self.api = target, tokenizer, api
         self.vocab_size = target.config.vocab_size if vocab_size is None else vocab_size
-        self.token_ids = token_ids
-        self.in_flight = self.most_in_flight = self.completions = 0
+        self.token_ids, self.slow_first = token_ids, slow_first
+        self.in_flight = self.most_in_flight = self.completions = self.started_while_first_ran = 0
+        self._first_running = False
         self._lock, self._model_lock = threading.Lock(), threading.Lock()
         server = self
 
@@ -531,7 +540,10 @@ class StandInServer:
             self.in_flight += 1
             self.completions += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        time.sleep(0.05)  # requests overlap as on a server with several slots
+            first = self.completions == 1
+            self._first_running |= first
+            self.started_while_first_ran += self._first_running and not first
+        time.sleep(0.05 + (self.slow_first if first else 0.0))  # requests overlap as on a server with several slots
         with self._model_lock, torch.no_grad():
             out = self.target.generate(
                 torch.tensor([prompt]), max_new_tokens=limit, do_sample=False, eos_token_id=2, pad_token_id=0
@@ -539,6 +551,7 @@ class StandInServer:
         tokens = out[0, len(prompt) :].tolist()
         with self._lock:
             self.in_flight -= 1
+            self._first_running &= not first
         if self.api == "llama.cpp":
             return {"tokens": tokens, "content": "", "stop_type": "eos"} if self.token_ids else {"content": ""}
         choice = {"text": "", "finish_reason": "stop", **({"token_ids": tokens} if self.token_ids else {})}

@@ -12,11 +12,12 @@ a batch interrupted mid-way is simply generated again. A run with no row to make
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import itertools
+import functools
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from .make_folder import (
     start_parts,
 )
 from .parts import next_part_number, part_path, write_part
-from .pending import Chunk, encoded_prompts, length_sorted_chunks, nonempty
+from .pending import Chunk, encoded_prompts, nonempty, planned_chunks
 from .prompts import DEFAULT_SOURCE, PROMPT_ORDERS, Prompt, load_prompts, ordered
 from .server import ServerResponder
 
@@ -56,8 +57,8 @@ __all__ = [
 
 RESPONSE_MODES = ("regenerate", "source")
 
-Respond = Callable[[list[Chunk]], Iterator[list[list[int]]]]
-"""Yields the response tokens of each chunk in turn."""
+Respond = Callable[[Iterable[Chunk]], Iterator[tuple[Chunk, list[list[int]]]]]
+"""Yields each chunk (drawn from the iterable as it goes) with its response tokens, in turn."""
 
 
 def end_ids(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -262,25 +263,42 @@ def _responder(
     recorder: FeatureRecorder | None,
     server: ServerResponder | None = None,
 ) -> Respond:
-    """The response tokens of chunks of `(prompt, prompt ids)`, yielded chunk by chunk: the target's greedy answers
+    """Each chunk of `(prompt, prompt ids)` with its response tokens, chunk by chunk: the target's greedy answers
     (each chunk generated when its turn comes, recorded by `recorder` when given), a `server`'s
-    ([`ServerResponder.batches`]: every chunk's requests sent at once), or the source's replies."""
+    ([`ServerResponder.batches`]: requests in flight all along, across chunks), or the source's replies."""
     if server is not None:
-        return lambda chunks: server.batches([[ids for _, ids in chunk] for chunk in chunks])
+        return functools.partial(_served, server)
     if responses == "source":
         eos = end_ids(target, tokenizer)
         end_id = eos[0] if eos else None
         return lambda chunks: (
-            [source_response(tokenizer, p.reply, end_id, max_new_tokens) for p, _ in c] for c in chunks
+            (c, [source_response(tokenizer, p.reply, end_id, max_new_tokens) for p, _ in c]) for c in chunks
         )
 
-    def generated(chunks: list[Chunk]) -> Iterator[list[list[int]]]:
+    def generated(chunks: Iterable[Chunk]) -> Iterator[tuple[Chunk, list[list[int]]]]:
         for chunk in chunks:
             with recorder.recording() if recorder is not None else contextlib.nullcontext():
                 responses = regenerate(target, tokenizer, [ids for _, ids in chunk], max_new_tokens)
-            yield responses
+            yield chunk, responses
 
     return generated
+
+
+def _served(server: ServerResponder, chunks: Iterable[Chunk]) -> Iterator[tuple[Chunk, list[list[int]]]]:
+    """The server's responses to `chunks`, chunk by chunk; the chunks are drawn as its requests go out."""
+    sent: collections.deque[Chunk] = collections.deque()
+
+    def prompt_ids() -> Iterator[list[list[int]]]:
+        for chunk in chunks:
+            sent.append(chunk)
+            yield [ids for _, ids in chunk]
+
+    answers = server.batches(prompt_ids())
+    try:
+        for responses in answers:
+            yield sent.popleft(), responses
+    finally:
+        answers.close()
 
 
 def _write_parts(
@@ -298,22 +316,17 @@ def _write_parts(
     part_no = next_part_number(parts)
     generated = 0
     with tqdm(total=goal, initial=min(len(done), goal), desc="make-data", unit="sample", disable=not progress) as bar:
-        while len(done) < goal:
-            window = list(itertools.islice(encoded, batch_size * 8))
-            if not window:
-                break
-            chunks = length_sorted_chunks(window, batch_size, goal - len(done))
-            with contextlib.closing(respond(chunks)) as answers:
-                for chunk, responses in zip(chunks, answers):
-                    records = [
-                        {"id": p.id, "input_ids": ids + resp, "prompt_length": len(ids)}
-                        for (p, ids), resp in zip(chunk, responses)
-                    ]
-                    if recorder is not None:  # features first: a part never exists without its features
-                        recorder.store(records, max(len(ids) for _, ids in chunk) if recorder.recorded else None)
-                    write_part(part_path(parts, part_no), records)
-                    part_no += 1
-                    done.extend(records)
-                    generated += len(records)
-                    bar.update(len(records))
+        with contextlib.closing(respond(planned_chunks(encoded, batch_size, goal - len(done)))) as answers:
+            for chunk, responses in answers:
+                records = [
+                    {"id": p.id, "input_ids": ids + resp, "prompt_length": len(ids)}
+                    for (p, ids), resp in zip(chunk, responses)
+                ]
+                if recorder is not None:  # features first: a part never exists without its features
+                    recorder.store(records, max(len(ids) for _, ids in chunk) if recorder.recorded else None)
+                write_part(part_path(parts, part_no), records)
+                part_no += 1
+                done.extend(records)
+                generated += len(records)
+                bar.update(len(records))
     return generated

@@ -1,10 +1,10 @@
 """The prompts a make-data run still has to answer: encoded lazily in source order (those already made, too long or,
-for teacher-forced data, without a reply are skipped and counted) and cut into length-sorted batches."""
+for teacher-forced data, without a reply are skipped and counted) and cut into length-sorted batches, window by window."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from transformers import PreTrainedTokenizerBase
 
@@ -49,3 +49,16 @@ def length_sorted_chunks(window: Chunk, batch_size: int, wanted: int) -> list[Ch
     padding)."""
     window = sorted(window, key=lambda item: len(item[1]))[:wanted]
     return [window[start : start + batch_size] for start in range(0, len(window), batch_size)]
+
+
+def planned_chunks(encoded: Iterable[tuple[Prompt, list[int]]], batch_size: int, wanted: int) -> Iterator[Chunk]:
+    """The batches of a run, drawn lazily: windows of `8 * batch_size` prompts, each cut into [`length_sorted_chunks`],
+    until `wanted` prompts are planned or the prompts run out."""
+    encoded = iter(encoded)
+    while wanted > 0:
+        window = list(itertools.islice(encoded, batch_size * 8))
+        if not window:
+            return
+        for chunk in length_sorted_chunks(window, batch_size, wanted):
+            wanted -= len(chunk)
+            yield chunk

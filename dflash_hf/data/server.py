@@ -9,16 +9,18 @@ model's tokens. Two APIs are spoken:
 
 Before any row is made, [`ServerResponder.check`] compares the served model with the target: the vocabulary size
 (when the server reports it) and a tokenization probe (`POST /tokenize`, both APIs). Many requests are in flight at
-once (`concurrency`, across the prompts given together); the answers keep their order. A response that stops short of
-`max_new_tokens` without one of the target's EOS ids (the server's context was full, or it ended on a token the
-target does not end on) is refused: plain greedy decoding would have gone on. Each request waits at most
-`timeout_s` for its answer; the requests run on daemon threads, so Ctrl-C (or a failed request) returns at once
-instead of waiting for the others in flight.
+once (`concurrency`, all along a run: the next prompts go out while the first answers are written); the answers
+keep their order. A response that stops short of `max_new_tokens` without one of the target's EOS ids (the server's
+context was full, or it ended on a token the target does not end on) is refused: plain greedy decoding would have
+gone on. Each request waits at most `timeout_s` for its answer; the requests run on daemon threads, so Ctrl-C (or a
+failed request) returns at once instead of waiting for the others in flight.
 """
 
 from __future__ import annotations
 
+import collections
 import http.client
+import itertools
 import json
 import queue
 import ssl
@@ -26,7 +28,7 @@ import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -271,44 +273,63 @@ class ServerResponder:
         """The greedy responses to `prompts` (token ids), in order (see [`responses`])."""
         return list(self.responses(prompts))
 
-    def batches(self, batches: list[list[list[int]]]) -> Iterator[list[list[int]]]:
-        """The responses of each batch of prompts in turn, every batch's requests sent at once (see [`responses`]), so
-        the server stays busy while the caller writes the first batches."""
-        answers = self.responses([ids for batch in batches for ids in batch])
-        try:
+    def batches(self, batches: Iterable[list[list[int]]]) -> Iterator[list[list[int]]]:
+        """The responses of each batch of prompts in turn (see [`responses`]): the batches are drawn as their requests
+        go out, so the server stays busy across batches while the caller writes the first ones."""
+        sizes: collections.deque[int] = collections.deque()
+
+        def prompts() -> Iterator[list[int]]:
             for batch in batches:
-                yield [next(answers) for _ in batch]
+                sizes.append(len(batch))
+                yield from batch
+
+        answers = self.responses(prompts())
+        try:
+            for first in answers:  # a batch's size is known once its first request has gone out
+                yield [first, *itertools.islice(answers, sizes.popleft() - 1)]
         finally:
             answers.close()
 
-    def responses(self, prompts: list[list[int]]) -> Iterator[list[int]]:
-        """The greedy responses to `prompts` (token ids), yielded in order as soon as each is in, with up to
-        `concurrency` requests in flight all along (a caller writing the first answers keeps the server busy).
+    def responses(self, prompts: Iterable[list[int]]) -> Iterator[list[int]]:
+        """The greedy responses to `prompts` (token ids, drawn as requests go out), yielded in order as soon as each
+        is in, with up to `concurrency` requests in flight all along (a caller writing the first answers keeps the
+        server busy).
 
         The requests run on daemon threads: the first failure (or Ctrl-C, or closing the iterator) stops them at
         once, no new request is sent after it, and the ones still in flight are abandoned (never waited for, also
         not at interpreter exit)."""
         results: dict[int, list[int]] = {}
         outcomes: queue.SimpleQueue[tuple[int, list[int] | BaseException]] = queue.SimpleQueue()
-        pending = iter(range(len(prompts)))
+        pending = enumerate(prompts)
         lock, stop = threading.Lock(), threading.Event()
+        drawn = [0, False]  # prompts drawn so far, and whether they have run out
 
         def work() -> None:
             while not stop.is_set():
                 with lock:
-                    index = next(pending, None)
-                if index is None:
-                    return
+                    try:
+                        index, prompt = next(pending, (None, None))
+                    except BaseException as err:  # noqa: BLE001 (drawing the prompt failed: the caller's error)
+                        outcomes.put((-1, err))
+                        return
+                    if index is None:
+                        drawn[1] = True
+                        return
+                    drawn[0] += 1
                 try:
-                    outcomes.put((index, self._complete(prompts[index])))
+                    outcomes.put((index, self._complete(prompt)))
                 except BaseException as err:  # noqa: BLE001 (handed to the caller's thread)
                     outcomes.put((index, err))
 
-        for _ in range(min(self.concurrency, len(prompts))):
+        for _ in range(self.concurrency):
             threading.Thread(target=work, name="dflash-hf-server-request", daemon=True).start()
         try:
-            for wanted in range(len(prompts)):
+            wanted = 0
+            while True:
                 while wanted not in results:
+                    with lock:
+                        if drawn[1] and wanted >= drawn[0]:
+                            return
                     try:  # short waits: a Ctrl-C is taken at once, however the platform wakes blocked waits
                         index, outcome = outcomes.get(timeout=0.1)
                     except queue.Empty:
@@ -317,5 +338,6 @@ class ServerResponder:
                         raise outcome
                     results[index] = outcome
                 yield results.pop(wanted)
+                wanted += 1
         finally:
             stop.set()

@@ -67,6 +67,19 @@ def test_the_server_stays_busy_across_parts(target, tmp_path):
     assert len(list((tmp_path / "out" / "parts").glob("part-*"))) == -(-len(PROMPTS) // 2)
 
 
+def test_requests_keep_flowing_past_each_window_of_prompts(target, tmp_path):
+    """Batches of one prompt are planned from windows of 8 prompts: while the first request is slow, the requests go
+    on past the first window (the server never waits idle for a window's last answer)."""
+    tok = make_tokenizer()
+    prompts = [f"{prompt} {i}" for i in range(2) for prompt in PROMPTS]  # 12: more than one window
+    src = str(write_prompts(tmp_path / "p.jsonl", prompts))
+    with StandInServer(target, tok, slow_first=3.0) as server:
+        responder = _responder(server.url, tok, concurrency=3)
+        make_data(target, tok, tmp_path / "out", source=src, server=responder, **{**KWARGS, "batch_size": 1})
+    assert server.started_while_first_ran >= 8  # the first window's other 7, and the next window's
+    assert len(load_training_data(tmp_path / "out")) == len(prompts)
+
+
 def test_server_runs_resume_and_are_not_mixed_with_in_process_rows(target, tmp_path):
     tok = make_tokenizer()
     src = str(write_prompts(tmp_path / "p.jsonl"))
