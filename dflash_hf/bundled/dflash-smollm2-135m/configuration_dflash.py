@@ -206,7 +206,6 @@ class DFlashConfig(PreTrainedConfig):
     """
 
     model_type = "dflash"
-    keys_to_ignore_at_inference = ["past_key_values"]
 
     hidden_size: int = 1024
     intermediate_size: int = 3072
