@@ -2,8 +2,8 @@
 
 A source proposes each cycle's candidates for the active rows as a [`Proposal`]: the DFlash chain (the block's
 drafts, verified by a causal forward; the one shape sampling verifies) or token trees given by parent pointers
-(`tree.TokenTrees`, verified with an ancestor mask). After verification it observes the [`Verdict`] and the cycle's
-cost, which its own adaptive choices learn from. Three sources:
+(`tree.TokenTrees`, verified with an ancestor mask). After verification it learns what was accepted (the
+[`Verdict`]), then what the cycle cost, which its own adaptive choices follow. Three sources:
 
 * [`DFlashChain`]: the DFlash block alone, drafted by one drafter forward (`candidates="dflash"`).
 * [`LookupBranch`]: the chain, plus the row's prompt-lookup continuation as a second branch from the anchor when
@@ -11,8 +11,8 @@ cost, which its own adaptive choices learn from. Three sources:
 * [`DraftTreeCandidates`]: a draft tree per row over the drafter's top tokens per slot, the lookup continuation one
   more branch (`draft_tree`, `candidates="tree"`).
 
-[`CandidatePlan`] turns the call's options into the source and owns the widest verify, which the engine's
-row-exact set-up, `dflash-hf generate` and the bench read.
+[`CandidatePlan`] names the source from the call's options ([`candidate_source`] builds it) and owns the widest
+verify, which the engine's row-exact set-up, `dflash-hf generate` and the bench read.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
+from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
 from ..runtime import Stopwatch
@@ -115,9 +116,14 @@ class Verdict(NamedTuple):
 class CandidateSource(Protocol):
     """A source of candidates: proposes each cycle's candidates and learns from what was accepted and what it cost."""
 
-    def propose(self, state: ActiveRows, block: int, block_pos: torch.LongTensor) -> Proposal: ...
+    def propose(self, state: ActiveRows, block: int, block_pos: torch.LongTensor) -> Proposal:
+        """The candidates of the active rows' next blocks of `block` tokens at positions `block_pos`."""
 
-    def observe(self, proposal: Proposal, verdict: Verdict, committed: float, seconds: float) -> None: ...
+    def learn(self, proposal: Proposal, verdict: Verdict) -> None:
+        """What the target accepted of `proposal` (within the cycle's time)."""
+
+    def observe(self, proposal: Proposal, committed: float, seconds: float) -> None:
+        """What the cycle cost: the tokens it committed per row and its wall time."""
 
 
 class DFlashChain:
@@ -126,7 +132,7 @@ class DFlashChain:
 
     def __init__(
         self,
-        drafter,
+        drafter: PreTrainedModel,
         adapter: TargetAdapter,
         cache: DynamicCache,
         choice: TokenChoice,
@@ -135,7 +141,7 @@ class DFlashChain:
         self.drafter, self.adapter, self.cache, self.choice, self.timer = drafter, adapter, cache, choice, timer
         self.mask_token_id = int(drafter.config.mask_token_id)
 
-    def slots(self, state: ActiveRows, block: int, block_pos: torch.LongTensor):
+    def slots(self, state: ActiveRows, block: int, block_pos: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafter forward; returns the draft slots' logits and final hidden states."""
         noise_ids = torch.full((len(state.rows), block), self.mask_token_id, dtype=torch.long, device=block_pos.device)
         noise_ids[:, 0] = state.anchors
@@ -163,8 +169,11 @@ class DFlashChain:
                 return Proposal(block, *self.choice.propose(draft_logits, state.rows))
             return Proposal(block, *self.choice.propose(draft_logits, state.rows, (state.anchors, hidden_states)))
 
-    def observe(self, proposal: Proposal, verdict: Verdict, committed: float, seconds: float) -> None:
+    def learn(self, proposal: Proposal, verdict: Verdict) -> None:
         """The chain learns nothing (the block-size policy learns from every cycle)."""
+
+    def observe(self, proposal: Proposal, committed: float, seconds: float) -> None:
+        """The chain follows no cost."""
 
 
 class LookupBranch:
@@ -172,20 +181,25 @@ class LookupBranch:
     one and [`LookupBranchChoice`] chooses the tree."""
 
     def __init__(self, chain: DFlashChain, lookups: Lookups) -> None:
-        self.chain, self.lookups, self.choice = chain, lookups, LookupBranchChoice()
+        self.chain, self.lookups, self.branch_choice = chain, lookups, LookupBranchChoice()
 
     def propose(self, state: ActiveRows, block: int, block_pos: torch.LongTensor) -> Proposal:
+        """The chain's drafts, with the rows' lookup continuations as the two-branch trees when chosen."""
         proposal = self.chain.propose(state, block, block_pos)
         found = self.lookups.continuations(state.rows, block) if block > 1 else None  # block 1: a plain step
         if found is None:
             return proposal
-        if not self.choice.use_tree():
+        if not self.branch_choice.use_tree():
             return proposal._replace(lookup_choice=False)
         return Proposal(block, trees=lookup_branch_trees(state.anchors, proposal.tokens, found), lookup_choice=True)
 
-    def observe(self, proposal: Proposal, verdict: Verdict, committed: float, seconds: float) -> None:
+    def learn(self, proposal: Proposal, verdict: Verdict) -> None:
+        """The choice follows committed tokens per second, not acceptance."""
+
+    def observe(self, proposal: Proposal, committed: float, seconds: float) -> None:
+        """A cycle with a lookup continuation counts for the kind it verified (tree or block alone)."""
         if proposal.lookup_choice is not None:
-            self.choice.observe(proposal.lookup_choice, committed, seconds)
+            self.branch_choice.observe(proposal.lookup_choice, committed, seconds)
 
 
 class DraftTreeCandidates:
@@ -196,6 +210,8 @@ class DraftTreeCandidates:
         self.chain, self.lookups, self.search = chain, lookups, DraftTreeSearch()
 
     def propose(self, state: ActiveRows, block: int, block_pos: torch.LongTensor) -> Proposal:
+        """Every row's draft tree (its lookup continuation one more branch), or the chains when no tree grew beyond
+        them; block 1 is a plain step."""
         if block == 1:
             return self.chain.propose(state, block, block_pos)
         lookups = self.lookups.continuations(state.rows, block) or [[] for _ in state.rows]
@@ -209,12 +225,17 @@ class DraftTreeCandidates:
             return Proposal(block, chains, draft_trees=trees)
         return Proposal(block, trees=pack_trees(trees, block_pos.device), draft_trees=trees)
 
-    def observe(self, proposal: Proposal, verdict: Verdict, committed: float, seconds: float) -> None:
-        if proposal.draft_trees is not None:
-            accepted = verdict.node_accepted
-            if accepted is None:  # verified as the chain: its nodes up to the accepted ones
-                accepted = torch.arange(proposal.block, device=verdict.accepted.device) <= verdict.accepted[:, None]
-            self.search.observe(proposal.draft_trees, accepted.tolist())
+    def learn(self, proposal: Proposal, verdict: Verdict) -> None:
+        """Calibrate the drafter and lookup nodes' acceptance per depth from the verified trees."""
+        if proposal.draft_trees is None:
+            return
+        accepted = verdict.node_accepted
+        if accepted is None:  # verified as the chain: its nodes up to the accepted ones
+            accepted = torch.arange(proposal.block, device=verdict.accepted.device) <= verdict.accepted[:, None]
+        self.search.observe(proposal.draft_trees, accepted.tolist())
+
+    def observe(self, proposal: Proposal, committed: float, seconds: float) -> None:
+        """The budget learns the cost of the cycle's verify width."""
         self.search.budget.observe(proposal.width, committed, seconds)
 
 

@@ -124,7 +124,7 @@ def generate(
     distribution; `"argmax"` drafts each slot's most likely token and accepts it with the target's probability of it.
     `candidates="dflash+lookup"` (the default; greedy): each cycle also verifies a prompt-lookup continuation of the
     row's own text, at most `lookup_tokens` long (default: 7, or the block size - 1 if more), in the same target
-    forward (a two-branch tree, `dflash_hf.engine.tree`); the longer accepted branch is kept. `candidates="tree"`
+    forward (a two-branch tree, `dflash_hf.engine.lookup`); the longer accepted branch is kept. `candidates="tree"`
     (greedy): each row verifies a draft tree (`dflash_hf.engine.draft_tree`): the DFlash block, then the drafter's next
     most likely tokens per slot (through its Markov head, if it has one, after each node's own token) and the lookup
     continuation as further branches, added best-first while a node's chance of acceptance (the drafter's path

@@ -82,9 +82,17 @@ class GenerationCall:
         self.draft_timer = Stopwatch(self.device)
         self.verify_timer = Stopwatch(self.device)
         self.prefill_timer = Stopwatch(self.device)
+        lookup_tokens = None if lookup_tokens is None else int(lookup_tokens)
         self._set_up_cycles(generation_config, logits_processor, sampling_proposal, candidates, lookup_tokens)
 
-    def _set_up_cycles(self, generation_config, logits_processor, sampling_proposal, candidates, lookup_tokens) -> None:
+    def _set_up_cycles(
+        self,
+        generation_config: GenerationConfig,
+        logits_processor: LogitsProcessorList | None,
+        sampling_proposal: str,
+        candidates: str,
+        lookup_tokens: int | None,
+    ) -> None:
         """The call's token choice, candidate plan and source, and verifier."""
         do_sample = bool(generation_config.do_sample)
         process = BlockLogitsProcessor(logits_processor)
@@ -132,10 +140,11 @@ class GenerationCall:
         self._realign(state)
         verdict = self.verifier.verify(state, block_pos, proposal)
         kept = self._commit(state, block, verdict)
+        self.source.learn(proposal, verdict)
         seconds = time.perf_counter() - cycle_start
         # the block-size policy learns the DFlash block's own acceptance, not the other branches' wins
         self.policy.observe(block, verdict.block_kept, seconds)
-        self.source.observe(proposal, verdict, sum(kept) / len(kept), seconds)
+        self.source.observe(proposal, sum(kept) / len(kept), seconds)
 
     def _prefill(self) -> ActiveRows:
         """1. One target forward over the prompts: fills the target cache, gives every row its first token."""

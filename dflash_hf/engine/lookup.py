@@ -76,13 +76,13 @@ def lookup_branch_trees(anchors: torch.LongTensor, drafts: torch.LongTensor, loo
     lookup_parents = [0, *range(k + 1, k + m)] if m else []
     parents = torch.tensor([0, *range(k), *lookup_parents], dtype=torch.long, device=device)
     depths = torch.cat([torch.arange(k + 1, device=device), torch.arange(1, m + 1, device=device)])
-    from_lookup = torch.arange(k + 1 + m, device=device) > k
+    from_lookup = valid & (torch.arange(k + 1 + m, device=device) > k)
     return TokenTrees(
         ids=torch.cat([anchors[:, None], drafts, lookup_ids], dim=1),
         parents=parents.expand(batch, -1),
         depths=depths.expand(batch, -1),
         valid=valid,
-        from_lookup=from_lookup.expand(batch, -1),
+        from_lookup=from_lookup,
     )
 
 

@@ -16,6 +16,10 @@ from .acceptance import greedy_accept, rejection_sample
 from .draft_tree import SlotCandidates, corrected_logits
 from .processing import BlockLogitsProcessor
 
+Drafts = tuple[torch.LongTensor, torch.Tensor | None]
+"""Drafted tokens `(batch, slots)` and the distributions they were sampled from `(batch, slots, vocab)` (`None`:
+argmaxes)."""
+
 
 def finite_slots(draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`(logits, finite)`: a slot with non-finite logits (a diverged or overflowing drafter) gets zero logits, so that
@@ -44,7 +48,7 @@ class TokenChoice:
         sample_slots: bool,
         vocab_size: int,
         draft_token_ids: torch.LongTensor | None,
-        markov_head,
+        markov_head: torch.nn.Module | None,
         sequence: Callable[[int], torch.LongTensor],
     ) -> None:
         self.process, self.do_sample, self.sample_slots = process, do_sample, sample_slots
@@ -63,7 +67,7 @@ class TokenChoice:
         draft_logits: torch.Tensor,
         rows: list[int],
         markov_inputs: tuple[torch.LongTensor, torch.Tensor] | None = None,
-    ):
+    ) -> Drafts:
         """Draft tokens (and their proposal distributions when sampling) from per-slot drafter logits.
 
         When sampling with the `argmax` proposal the drafted tokens are the processed argmax and the proposal
@@ -88,7 +92,9 @@ class TokenChoice:
             probs = probs * finite[..., None]
         return tokens, probs
 
-    def draft_chain(self, draft_logits: torch.Tensor, rows: list[int], anchors, hidden_states: torch.Tensor):
+    def draft_chain(
+        self, draft_logits: torch.Tensor, rows: list[int], anchors: torch.LongTensor, hidden_states: torch.Tensor
+    ) -> Drafts:
         """Slots drafted in order through the drafter's Markov head: slot `k`'s logits plus the head's correction for
         the token drafted at slot `k - 1` (the anchor for slot 1), then chosen like any slot's ([`draft_tokens`]).
 
@@ -106,7 +112,9 @@ class TokenChoice:
             probs.append(prob)
         return tokens, None if probs[0] is None else torch.cat(probs, dim=1)
 
-    def draft_tokens(self, draft_logits: torch.Tensor, rows: list[int], drafted: torch.LongTensor | None = None):
+    def draft_tokens(
+        self, draft_logits: torch.Tensor, rows: list[int], drafted: torch.LongTensor | None = None
+    ) -> Drafts:
         """The drafted tokens, and the per-slot distributions they were sampled from (`None` when they are argmaxes).
 
         With a reduced draft vocabulary, an argmax without processors maps back to target ids directly; otherwise the
@@ -127,7 +135,7 @@ class TokenChoice:
             return flat.view(probs.shape[:2]), probs
         return self._draft_in_order(draft_logits, rows, drafted)
 
-    def _draft_in_order(self, draft_logits: torch.Tensor, rows: list[int], drafted: torch.LongTensor | None):
+    def _draft_in_order(self, draft_logits: torch.Tensor, rows: list[int], drafted: torch.LongTensor | None) -> Drafts:
         """Prefix-dependent processors: slot `j`'s scores depend on the tokens drafted before it, row by row."""
         batch, slots, _ = draft_logits.shape
         tokens = torch.empty(batch, slots, dtype=torch.long, device=draft_logits.device)
@@ -163,7 +171,14 @@ class TokenChoice:
         token_ids = self.draft_token_ids if reduced else None
         return SlotCandidates(draft_logits, probabilities, token_ids, self.markov_head, hidden_states)
 
-    def accept(self, target_logits: torch.Tensor, block_tokens, draft_tokens, draft_probs, rows: list[int]):
+    def accept(
+        self,
+        target_logits: torch.Tensor,
+        block_tokens: torch.LongTensor,
+        draft_tokens: torch.LongTensor,
+        draft_probs: torch.Tensor | None,
+        rows: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Accepted drafts of a chain and the target's next token per row (greedy prefix match, or rejection
         sampling); `block_tokens` is `[anchor, drafts]`."""
 

@@ -34,7 +34,7 @@ def row_exact_verification(target: PreTrainedModel, verify_width: int) -> bool:
             "give every token the bits a one-token step gives it, so greedy outputs may drift from plain greedy "
             "decoding: load the target in float32 for exact outputs (or use `sdpa` attention, which dflash-hf can "
             "make row-exact).",
-            stacklevel=5,
+            stacklevel=6,
         )
     return bool(exact)
 
@@ -50,30 +50,33 @@ class Verifier:
         self.sliding_window = sliding_window_of(adapter.target.config)
 
     def verify(self, state: ActiveRows, block_pos: torch.LongTensor, proposal: Proposal) -> Verdict:
-        """The target's verdict on `proposal`, whose candidates enter the target cache (the caller keeps the path)."""
-        with self.timer, row_exact.verification(self.row_exact):
-            if proposal.trees is None:
-                return self._chain(state, block_pos, proposal)
-            return self._trees(state, block_pos, proposal)
+        """The target's verdict on `proposal`, whose candidates enter the target cache (the caller keeps the path).
+        The verify timer covers the forward and the token choice on its logits."""
+        if proposal.trees is None:
+            return self._chain(state, block_pos, proposal)
+        return self._trees(state, block_pos, proposal)
 
     def _chain(self, state: ActiveRows, block_pos: torch.LongTensor, proposal: Proposal) -> Verdict:
         block_ids = torch.cat([state.anchors[:, None], proposal.tokens], dim=1)
-        mask = mask_or_none(state.mask, block_ids.shape[1])
-        step = self.adapter.forward(block_ids, mask, block_pos, self.cache)
-        target_logits = self.adapter.logits(step.last_hidden_state)
-        accepted, next_tokens = self.choice.accept(
-            target_logits, block_ids, proposal.tokens, proposal.probs, state.rows
-        )
+        with self.timer, row_exact.verification(self.row_exact):
+            mask = mask_or_none(state.mask, block_ids.shape[1])
+            step = self.adapter.forward(block_ids, mask, block_pos, self.cache)
+            target_logits = self.adapter.logits(step.last_hidden_state)
+            accepted, next_tokens = self.choice.accept(
+                target_logits, block_ids, proposal.tokens, proposal.probs, state.rows
+            )
         kept = (accepted + 1).tolist()
         return Verdict(accepted, next_tokens, step, proposal.tokens, [proposal.block] * len(kept), kept)
 
     def _trees(self, state: ActiveRows, block_pos: torch.LongTensor, proposal: Proposal) -> Verdict:
         trees = proposal.trees
         positions = block_pos[:, :1] + trees.depths
-        dtype = self.adapter.embed_tokens.weight.dtype
-        mask = tree_attention_mask(state.mask, ancestor_mask(trees.parents), dtype, positions, self.sliding_window)
-        step = self.adapter.forward(trees.ids, mask, positions, self.cache)
-        target_tokens = self.choice.node_tokens(self.adapter.logits(step.last_hidden_state), state.rows)
+        sees = ancestor_mask(trees.parents)
+        with self.timer, row_exact.verification(self.row_exact):
+            dtype = self.adapter.embed_tokens.weight.dtype
+            mask = tree_attention_mask(state.mask, sees, dtype, positions, self.sliding_window)
+            step = self.adapter.forward(trees.ids, mask, positions, self.cache)
+            target_tokens = self.choice.node_tokens(self.adapter.logits(step.last_hidden_state), state.rows)
         result = accept_tree(trees.ids, trees.parents, trees.depths, trees.valid, target_tokens)
         order = tree_path(trees.parents, result.best, result.accepted, int(result.accepted.max()) + 1)
         block_kept = result.node_accepted[:, 1 : proposal.block].sum(dim=1) + 1

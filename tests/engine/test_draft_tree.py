@@ -320,7 +320,7 @@ def test_a_tree_held_to_one_branch_is_the_dflash_engine(monkeypatch):
 
 
 def test_markov_tree_chain_is_the_drafters_sequential_argmax(monkeypatch):
-    """The tree's chain is what the DFlash engine drafts through the Markov head (`_draft_chain`): each slot's top
+    """The tree's chain is what the DFlash engine drafts through the Markov head (`TokenChoice.draft_chain`): each slot's top
     token after the chain's token before it."""
     target = make_target("llama")
     drafter = markov_drafter(target)
