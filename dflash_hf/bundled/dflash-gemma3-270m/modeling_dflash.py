@@ -615,6 +615,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             return None
         return keep[:, None, None, :].expand(-1, 1, q_len, -1)
 
+    # one readable forward, as Transformers' own model files write it: half of its length is the documented arguments
     @merge_with_config_defaults
     @capture_outputs
     def forward(
