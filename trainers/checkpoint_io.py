@@ -38,6 +38,7 @@ from transformers import TrainingArguments
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_pt_utils import set_rng_state_for_device
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from dflash_hf.fileio import PICKLE_SUFFIXES, discard, set_ordinary_mode
 
@@ -194,11 +195,26 @@ def rotate_checkpoints(run_dir: str | os.PathLike, save_total_limit: int | None,
             remaining -= 1
 
 
+def _weights_problem(folder: Path) -> str | None:
+    """Why `folder` holds no complete drafter weights (one `model.safetensors`, or the shards its index names)."""
+    if (folder / SAFE_WEIGHTS_NAME).is_file():
+        return None
+    try:
+        shards = set(json.loads((folder / SAFE_WEIGHTS_INDEX_NAME).read_text(encoding="utf-8"))["weight_map"].values())
+    except FileNotFoundError:
+        return f"no {SAFE_WEIGHTS_NAME}"
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return f"unreadable {SAFE_WEIGHTS_INDEX_NAME}"
+    missing = sorted(str(name) for name in shards if not (folder / str(name)).is_file())
+    return f"no {missing[0]} (a shard its index names)" if missing else None
+
+
 def checkpoint_problem(folder: str | os.PathLike) -> str | None:
     """Why `folder` is not a complete checkpoint (no weights, no readable trainer state), or `None` when it is."""
     folder = Path(folder)
-    if not (folder / "model.safetensors").is_file():
-        return "no model.safetensors"
+    problem = _weights_problem(folder)
+    if problem is not None:
+        return problem
     try:
         TrainerState.load_from_json(str(folder / TRAINER_STATE_NAME))
     except FileNotFoundError:

@@ -94,7 +94,8 @@ class PickleFreeCheckpoints(Trainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         os.makedirs(output_dir, exist_ok=True)
         drafter = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
-        drafter.save_pretrained(output_dir, state_dict=state_dict)
+        shards = {} if self.args.max_shard_size is None else {"max_shard_size": self.args.max_shard_size}
+        drafter.save_pretrained(output_dir, state_dict=state_dict, **shards)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         save_training_args(self.args, output_dir)

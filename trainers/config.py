@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
+from transformers.utils.hub import convert_file_size_to_int
 
 from .metrics import LOSS_WEIGHTINGS, default_loss_decay_gamma
 
@@ -121,6 +122,18 @@ class DFlashTrainingConfig(TrainingArguments):
         early_stopping_patience (`int`, *optional*): Stop when the evaluation metric (`metric_for_best_model`, by
             default the held-out blockwise acceptance length) has not improved for this many evaluations.
 
+        > Runs on a lent machine
+
+        max_train_seconds (`float`, *optional*): End the training loop within this many seconds of its start: after
+            each step, stop (saving a checkpoint unless `save_strategy="no"`) when the mean step so far would end past
+            the limit (`trainers/time_limit.py`). The training command then exports the drafter as after any run, so
+            a machine held for a fixed time returns trained weights, and `--resume_from_checkpoint last` continues.
+            Loading before and the export after are outside the limit.
+        max_shard_size (`str`, *optional*): Largest weight file of the drafter in checkpoints and in the final export
+            (`save_pretrained`'s `max_shard_size`, e.g. `"15MB"`): weights above it are written as
+            `model-0000k-of-0000n.safetensors` shards with an index, which every loader of a drafter folder reads.
+            By default `save_pretrained`'s. Optimizer states are not sharded (`save_only_model` leaves them out).
+
     Evaluation: with an `eval_dataset` every evaluation uses *all* valid anchors of each held-out sequence
     (deterministic) and logs `eval_acceptance_length_blockwise` (mean longest correct prefix + 1 per block, what
     greedy verification accepts) and `eval_accuracy_slot_k`. With `load_best_model_at_end=True` the best checkpoint by
@@ -227,6 +240,16 @@ class DFlashTrainingConfig(TrainingArguments):
         default=None, metadata={"help": "Stop after this many evaluations without improvement of the best metric."}
     )
 
+    # Runs on a lent machine
+    max_train_seconds: float | None = field(
+        default=None,
+        metadata={"help": "Stop (and save) before the step that would end this many seconds after training began."},
+    )
+    max_shard_size: str | None = field(
+        default=None,
+        metadata={"help": "Largest weight file of checkpoints and of the final export (e.g. 15MB)."},
+    )
+
     # Defaults of the inherited Trainer options (the paper's recipe)
     learning_rate: float = field(default=6e-4, metadata={"help": "Peak AdamW learning rate."})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": "Learning-rate schedule."})
@@ -252,6 +275,15 @@ class DFlashTrainingConfig(TrainingArguments):
                 f"max_length ({self.max_length}) must exceed block_size ({self.block_size}): a sequence needs room for "
                 "at least one prompt token and one whole block."
             )
+        if self.max_train_seconds is not None and not float(self.max_train_seconds) > 0:
+            raise ValueError(f"max_train_seconds must be > 0 (seconds), got {self.max_train_seconds}.")
+        if self.max_shard_size is not None:
+            try:
+                convert_file_size_to_int(self.max_shard_size)
+            except ValueError as err:
+                raise ValueError(
+                    f"max_shard_size {self.max_shard_size!r} is no size: give it with a unit, e.g. 15MB ({err})."
+                ) from err
         if self.features not in FEATURE_MODES:
             raise ValueError(f"features must be one of {FEATURE_MODES}, got {self.features!r}.")
         if self.features == "offline" and not self.features_dir:

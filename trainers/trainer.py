@@ -52,6 +52,7 @@ from .drafter import freeze_backbone, resolve_drafter
 from .loss import DFlashLossMixin
 from .metrics import batch_metric_sums, metrics_from_sums, zero_metric_sums
 from .optimizers import MuonWithAdamW, build_optimizer
+from .time_limit import TimeLimitCallback
 
 logger = logging.get_logger(__name__)
 
@@ -90,6 +91,8 @@ class DFlashTrainer(DFlashLossMixin, PickleFreeCheckpoints):
     Attributes:
         draft_vocabulary_coverage (`float` or `None`): For a new drafter with `draft_vocab_size`, the share of the
             training response tokens inside its draft vocabulary (also logged, and written to the model card).
+        time_limit (`TimeLimitCallback` or `None`): With `max_train_seconds`, the callback that ends the run in time
+            (`time_limit.stopped_early` tells whether it did).
     """
 
     _tag_names = ["dflash", "dflash-hf", "speculative-decoding"]
@@ -147,6 +150,9 @@ class DFlashTrainer(DFlashLossMixin, PickleFreeCheckpoints):
         self._prepare_device(args)
         if args.early_stopping_patience:
             self.add_callback(EarlyStoppingCallback(early_stopping_patience=int(args.early_stopping_patience)))
+        self.time_limit = None if args.max_train_seconds is None else TimeLimitCallback(float(args.max_train_seconds))
+        if self.time_limit is not None:
+            self.add_callback(self.time_limit)
         self._mode = "train"  # whose sums the statistics go to: "eval" while `_evaluating`
         self._metric_sums = {mode: zero_metric_sums(self.block_size, self.args.device) for mode in ("train", "eval")}
 

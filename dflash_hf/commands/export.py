@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         training=training,
         overwrite=args.overwrite,
         gguf_type=args.gguf_type,
+        max_shard_size=args.max_shard_size,
     )
     print(f"exported {args.format} drafter to {out_dir}")
     return 0
@@ -110,6 +111,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=GGUF_TYPES,
         default=None,
         help="--format gguf only: type of the drafter's weight matrices (norms stay f32; default: f32)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default=None,
+        help="dflash-hf and official formats: largest weight file (e.g. 15MB); larger weights become shards with an "
+        "index (default: Transformers' save_pretrained default)",
     )
     parser.add_argument(
         "--metrics",

@@ -184,6 +184,7 @@ def train(script: DFlashScriptArguments, config) -> dict:
         "wall_seconds": round(wall, 1),
         "samples": len(trainer.train_dataset),
         "world_size": trainer.args.world_size,
+        "stopped_at_time_limit": trainer.time_limit is not None and trainer.time_limit.stopped_early,
     }
     trainer.accelerator.wait_for_everyone()
     if trainer.is_world_process_zero():
@@ -191,7 +192,9 @@ def train(script: DFlashScriptArguments, config) -> dict:
         export_dir = script.export_dir or os.path.join(config.output_dir, "final")
         data_name = " + ".join(_data_name(folder, manifest) for folder, manifest in zip(folders, manifests))
         training_facts = trainer.training_facts(result, last, wall, data_name)
-        summary["export_dir"] = str(_export(drafter, export_dir, target, script, training_facts, base_model))
+        summary["export_dir"] = str(
+            _export(drafter, export_dir, target, script, training_facts, base_model, config.max_shard_size)
+        )
         Path(config.output_dir).mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(config.output_dir) / "train_summary.json", json.dumps(summary, indent=1, default=str))
         print(json.dumps({k: summary[k] for k in ("global_step", "train_loss", "export_dir")}))
@@ -244,7 +247,15 @@ def _data_name(folder: str, manifest: dict | None) -> str:
     return f"{manifest.get('source')} ({manifest['counts']['samples']} {kind})"
 
 
-def _export(drafter, export_dir: str, target, script: DFlashScriptArguments, training: dict, base_model: str) -> Path:
+def _export(
+    drafter,
+    export_dir: str,
+    target,
+    script: DFlashScriptArguments,
+    training: dict,
+    base_model: str,
+    max_shard_size: str,
+) -> Path:
     from dflash_hf.hub.export import export
 
     return export(
@@ -255,4 +266,5 @@ def _export(drafter, export_dir: str, target, script: DFlashScriptArguments, tra
         training=training,
         base_model=base_model,
         overwrite=True,
+        max_shard_size=max_shard_size,
     )

@@ -108,9 +108,11 @@ def _write_speculators_folder(
     set_ordinary_mode(folder)
 
 
-def _write_folder(drafter: DFlashDraftModel, folder: Path, format: str, card: str) -> None:
+def _write_folder(
+    drafter: DFlashDraftModel, folder: Path, format: str, card: str, max_shard_size: int | str | None
+) -> None:
     """Write the dflash-hf or official layout into the (empty, staging) `folder`."""
-    drafter.save_pretrained(folder)
+    drafter.save_pretrained(folder, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
     # the remote code always comes from this package's sources, whatever class `drafter` was loaded as
     for stray in folder.glob("*.py"):
         stray.unlink()
@@ -144,9 +146,11 @@ def _write_atomically(out_dir: Path, overwrite: bool, write: Callable[[Path], No
     atomic_write_folder(out_dir, write)
 
 
-def _check_arguments(drafter: DFlashDraftModel, format: str, gguf_type: str | None) -> None:
-    """Raise a `ValueError` for an unknown format, a drafter that is no DFlash drafter, or a `gguf_type` given to a
-    format other than GGUF."""
+def _check_arguments(
+    drafter: DFlashDraftModel, format: str, gguf_type: str | None, max_shard_size: int | str | None
+) -> None:
+    """Raise a `ValueError` for an unknown format, a drafter that is no DFlash drafter, a `gguf_type` given to a
+    format other than GGUF, or a `max_shard_size` given to a one-file format."""
     if format not in EXPORT_FORMATS:
         raise ValueError(f"Unknown export format {format!r}; choose one of {', '.join(EXPORT_FORMATS)}.")
     if getattr(drafter.config, "model_type", None) != DFlashConfig.model_type:
@@ -155,6 +159,11 @@ def _check_arguments(drafter: DFlashDraftModel, format: str, gguf_type: str | No
         raise ValueError(
             f"gguf_type (`--gguf-type`) {gguf_type!r} applies to format='gguf' only, not to {format!r}, whose weights "
             "keep the drafter's dtype: drop it, or export with format='gguf' (`--format gguf`)."
+        )
+    if max_shard_size is not None and format in ("speculators", "gguf"):
+        raise ValueError(
+            f"max_shard_size (`--max-shard-size`) applies to the dflash-hf and official formats, not to {format!r}, "
+            "which is written as one file: drop it, or export another format."
         )
 
 
@@ -184,6 +193,7 @@ def export(
     training: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     gguf_type: str | None = None,
+    max_shard_size: int | str | None = None,
 ) -> Path:
     """Write `drafter` as a Hub-ready folder: config, safetensors weights, remote code and a model card.
 
@@ -209,11 +219,13 @@ def export(
             complete); a folder holding anything an export does not write is refused, naming what would be lost.
         gguf_type: For `format="gguf"`, the type of the draft body's weight matrices (`f32`, `f16`, `bf16`, `q8_0`;
             default `f32`); refused with the other formats, which keep the drafter's own dtype.
+        max_shard_size: For `format="dflash-hf"` and `"official"`, the largest weight file (`save_pretrained`'s
+            `max_shard_size`, e.g. `"15MB"`; default: its default): larger weights are written as shards with an index.
 
     Returns:
         The path of the written folder.
     """
-    _check_arguments(drafter, format, gguf_type)
+    _check_arguments(drafter, format, gguf_type, max_shard_size)
     if format == "gguf":
         return write_gguf(
             drafter, out_dir, target=target, gguf_type="f32" if gguf_type is None else gguf_type, overwrite=overwrite
@@ -244,7 +256,7 @@ def export(
         if format == "speculators":
             _write_speculators_folder(drafter, target, base_model, staging, card)
         else:
-            _write_folder(drafter, staging, format, card)
+            _write_folder(drafter, staging, format, card, max_shard_size)
 
     _write_atomically(out_dir, overwrite, write)
     return out_dir

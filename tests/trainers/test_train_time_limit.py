@@ -1,0 +1,147 @@
+"""Runs on a lent machine: `max_train_seconds` ends the loop in time with a checkpoint to resume from, and
+`max_shard_size` writes checkpoints and the final export as shards no larger than asked."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from dflash_hf.modeling import DFlashDraftModel
+from dflash_hf.trainers import DFlashTrainer
+from dflash_hf.trainers.time_limit import TimeLimitCallback
+from testing_utils import make_drafter, run_make_data, tiny_train_config, write_prompts
+from transformers import TrainerControl, TrainerState, TrainingArguments
+
+from dflash_hf.drafters import load_drafter
+from dflash_hf.hub.export import export
+from dflash_hf.hub.layout import SHARD_NAME
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+SHARD = "40KB"  # above the tiny drafter's largest tensor, below its whole weights
+SHARD_BYTES = 40_000
+
+
+def step_ends(callback: TimeLimitCallback, times: list[float], save_strategy: str = "steps", max_steps: int = 100):
+    """Feed `callback` a run whose training begins at `times[0]` and whose steps end at `times[1:]`; returns the
+    steps run and the last control."""
+    clock = iter(times)
+    callback.clock = lambda: next(clock)
+    args = TrainingArguments(output_dir="unused", save_strategy=save_strategy, report_to="none", use_cpu=True)
+    state, control = TrainerState(max_steps=max_steps), TrainerControl()
+    callback.on_train_begin(args, state, control)
+    for state.global_step in range(1, len(times)):
+        callback.on_step_end(args, state, control)
+        if control.should_training_stop:
+            break
+    return state.global_step, control
+
+
+def test_the_limit_stops_before_the_step_that_would_end_past_it():
+    # steps of 10 s: after step 3 (30 s) a fourth would end at 40 s > 35 s
+    steps, control = step_ends(TimeLimitCallback(35), [0, 10, 20, 30, 40, 50])
+    assert (steps, control.should_training_stop, control.should_save) == (3, True, True)
+    # a slow first step counts in the mean: it ends at 20 s, and a second of that mean would end at 40 s
+    steps, _ = step_ends(TimeLimitCallback(35), [0, 20, 25, 30])
+    assert steps == 1
+
+
+def test_the_limit_saves_only_where_the_run_saves_and_a_finished_run_is_no_early_stop():
+    callback = TimeLimitCallback(15)
+    _, control = step_ends(callback, [0, 10, 20], save_strategy="no")
+    assert control.should_training_stop and not control.should_save and callback.stopped_early
+    callback = TimeLimitCallback(15)
+    steps, control = step_ends(callback, [0, 10], max_steps=1)  # the last step: nothing is cut short
+    assert steps == 1 and not control.should_training_stop and not callback.stopped_early
+
+
+@pytest.mark.parametrize("seconds", [0, -1.0])
+def test_a_limit_must_be_positive(seconds, tmp_path):
+    with pytest.raises(ValueError, match="max_train_seconds must be > 0"):
+        tiny_train_config(tmp_path, max_train_seconds=seconds)
+
+
+def test_a_shard_size_needs_a_unit(tmp_path):
+    with pytest.raises(ValueError, match="max_shard_size '40000' is no size: give it with a unit"):
+        tiny_train_config(tmp_path, max_shard_size="40000")
+
+
+def weight_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("model*.safetensors"))  # not the optimizer or RNG states
+
+
+def assert_sharded(folder: Path) -> None:
+    shards = weight_files(folder)
+    assert len(shards) > 1 and all(SHARD_NAME.fullmatch(p.name) for p in shards), [p.name for p in shards]
+    assert all(p.stat().st_size <= SHARD_BYTES for p in shards)
+    assert (folder / "model.safetensors.index.json").is_file()
+
+
+def test_a_timed_run_stops_saves_shards_and_resumes(tiny_data, tmp_path):
+    target, tok, data = tiny_data
+    args = tiny_train_config(
+        tmp_path / "run",
+        max_steps=50,
+        max_train_seconds=3.5,
+        max_shard_size=SHARD,
+        save_strategy="steps",
+        save_steps=100,
+        num_draft_layers=1,
+    )
+    trainer = DFlashTrainer(args=args, target=target, train_dataset=data, processing_class=tok)
+    ticks = itertools.count()  # training begins at 0, step k ends at k seconds: the fourth would end past 3.5 s
+    trainer.time_limit.clock = lambda: float(next(ticks))
+    trainer.train()
+    assert trainer.state.global_step == 3 and trainer.time_limit.stopped_early
+    checkpoint = tmp_path / "run" / "checkpoint-3"
+    assert_sharded(checkpoint)
+    loaded = DFlashDraftModel.from_pretrained(checkpoint)
+    for name, value in trainer.model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+
+    resumed = DFlashTrainer(
+        args=tiny_train_config(tmp_path / "run", max_steps=5, num_draft_layers=1),
+        target=target,
+        train_dataset=data,
+        processing_class=tok,
+    )
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 5
+
+
+def test_export_writes_shards_every_loader_reads(tmp_path):
+    from testing_utils import make_tiny_target
+
+    target = make_tiny_target("llama")
+    drafter = make_drafter(target)
+    out = export(drafter, tmp_path / "out", target=target, base_model="test-org/tiny", max_shard_size=SHARD)
+    assert_sharded(out)
+    loaded = load_drafter(out, target)
+    for name, value in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    for format in ("speculators", "gguf"):
+        with pytest.raises(ValueError, match="max_shard_size"):
+            export(drafter, tmp_path / format, target=target, format=format, max_shard_size="15MB")
+
+
+def test_train_command_stops_at_the_limit_and_exports_shards(tiny_data, tmp_path):
+    from dflash_hf.cli import main as cli_main
+
+    target, tok, _ = tiny_data
+    target.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    run_make_data(target, tok, tmp_path / "data", write_prompts(tmp_path / "p.jsonl"), max_new_tokens=12)
+    argv = ["train", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data"), "--base_model", "a/b"]
+    argv += ["--output_dir", str(tmp_path / "run"), "--block_size", "4", "--num_draft_layers", "1"]
+    argv += ["--num_target_features", "2", "--num_anchors", "8", "--max_steps", "40", "--use_cpu", "true"]
+    argv += ["--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no"]
+    # any step takes more than a millisecond: the run stops after its first
+    argv += ["--max_train_seconds", "0.001", "--max_shard_size", SHARD]
+    assert cli_main(argv) == 0
+    summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
+    assert summary["global_step"] == 1 and summary["stopped_at_time_limit"] is True
+    assert_sharded(tmp_path / "run" / "final")
+    assert not list((tmp_path / "run").glob("checkpoint-*"))  # save_strategy "no": nothing else written
