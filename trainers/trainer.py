@@ -155,6 +155,7 @@ class DFlashTrainer(DFlashLossMixin, PickleFreeCheckpoints):
             self.add_callback(self.time_limit)
         self._mode = "train"  # whose sums the statistics go to: "eval" while `_evaluating`
         self._metric_sums = {mode: zero_metric_sums(self.block_size, self.args.device) for mode in ("train", "eval")}
+        self._trained_blocks = torch.zeros((), dtype=torch.float64, device=self.args.device)
 
     # ---------------------------------------------------------------- preparation (before `Trainer.__init__`)
     def _prepare_model(
@@ -235,6 +236,14 @@ class DFlashTrainer(DFlashLossMixin, PickleFreeCheckpoints):
         sums = self._metric_sums[mode]
         for key, value in batch_metric_sums(stats, replay_decoding=mode == "eval").items():
             sums[key] += value
+            if key == "blocks" and mode == "train":
+                self._trained_blocks += value
+
+    @property
+    def anchor_blocks_trained(self) -> int:
+        """Blocks (valid anchors) this trainer's training steps have trained on, over every process: the unit of the
+        training throughput (`anchor_blocks_per_second` in `dflash-hf train`'s summary). Read from the device once."""
+        return int(self.accelerator.reduce(self._trained_blocks.clone(), reduction="sum"))
 
     def _metrics(self, mode: str) -> dict[str, float]:
         """The metrics of `mode` since its last log, summed over every process; its sums start again from zero."""

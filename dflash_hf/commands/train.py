@@ -185,6 +185,7 @@ def train(script: DFlashScriptArguments, config) -> dict:
         "samples": len(trainer.train_dataset),
         "world_size": trainer.args.world_size,
         "stopped_at_time_limit": trainer.time_limit is not None and trainer.time_limit.stopped_early,
+        **_throughput(trainer, result),
     }
     trainer.accelerator.wait_for_everyone()
     if trainer.is_world_process_zero():
@@ -201,6 +202,14 @@ def train(script: DFlashScriptArguments, config) -> dict:
     trainer.accelerator.wait_for_everyone()
     _end_distributed(trainer)
     return summary
+
+
+def _throughput(trainer, result) -> dict:
+    """The run's anchor-blocks trained and their rate over the Trainer's `train_runtime` (the training loop, its
+    evaluations included; loading the target and the export are not)."""
+    blocks = trainer.anchor_blocks_trained
+    runtime = float(result.metrics.get("train_runtime") or 0.0)
+    return {"anchor_blocks": blocks, "anchor_blocks_per_second": round(blocks / runtime, 1) if runtime > 0 else None}
 
 
 def _end_distributed(trainer) -> None:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from dflash_hf.modeling import DFlashDraftModel
-from dflash_hf.trainers import DFlashTrainer
+from dflash_hf.trainers import DFlashDataCollator, DFlashTrainer
+from dflash_hf.trainers.masks import valid_anchor_positions
 from dflash_hf.trainers.time_limit import TimeLimitCallback
 from testing_utils import make_drafter, run_make_data, tiny_train_config, write_prompts
 from transformers import TrainerControl, TrainerState, TrainingArguments
@@ -85,31 +86,35 @@ def test_a_timed_run_stops_saves_shards_and_resumes(tiny_data, tmp_path):
     args = tiny_train_config(
         tmp_path / "run",
         max_steps=50,
-        max_train_seconds=3.5,
+        max_train_seconds=4.5,
         max_shard_size=SHARD,
         save_strategy="steps",
         save_steps=100,
         num_draft_layers=1,
     )
     trainer = DFlashTrainer(args=args, target=target, train_dataset=data, processing_class=tok)
-    ticks = itertools.count()  # training begins at 0, step k ends at k seconds: the fourth would end past 3.5 s
+    ticks = itertools.count()  # training begins at 0, step k ends at k seconds: the fifth would end past 4.5 s
     trainer.time_limit.clock = lambda: float(next(ticks))
     trainer.train()
-    assert trainer.state.global_step == 3 and trainer.time_limit.stopped_early
-    checkpoint = tmp_path / "run" / "checkpoint-3"
+    assert trainer.state.global_step == 4 and trainer.time_limit.stopped_early
+    # 4 steps of 3 rows = two epochs of the 6 rows, each row with its valid anchors, 8 at most
+    batch = DFlashDataCollator(pad_token_id=0)([data[i] for i in range(len(data))])
+    valid = valid_anchor_positions(batch["loss_mask"], batch["attention_mask"].sum(1), 4).sum(1)
+    assert len(data) == 6 and trainer.anchor_blocks_trained == 2 * int(valid.clamp_max(8).sum())
+    checkpoint = tmp_path / "run" / "checkpoint-4"
     assert_sharded(checkpoint)
     loaded = DFlashDraftModel.from_pretrained(checkpoint)
     for name, value in trainer.model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], value), name
 
     resumed = DFlashTrainer(
-        args=tiny_train_config(tmp_path / "run", max_steps=5, num_draft_layers=1),
+        args=tiny_train_config(tmp_path / "run", max_steps=6, num_draft_layers=1),
         target=target,
         train_dataset=data,
         processing_class=tok,
     )
     resumed.train(resume_from_checkpoint=str(checkpoint))
-    assert resumed.state.global_step == 5
+    assert resumed.state.global_step == 6
 
 
 def test_export_writes_shards_every_loader_reads(tmp_path):
@@ -143,5 +148,6 @@ def test_train_command_stops_at_the_limit_and_exports_shards(tiny_data, tmp_path
     assert cli_main(argv) == 0
     summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
     assert summary["global_step"] == 1 and summary["stopped_at_time_limit"] is True
+    assert summary["anchor_blocks"] > 0 and summary["anchor_blocks_per_second"] > 0
     assert_sharded(tmp_path / "run" / "final")
     assert not list((tmp_path / "run").glob("checkpoint-*"))  # save_strategy "no": nothing else written
