@@ -62,6 +62,11 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def peak_memory_bytes(device: torch.device) -> int | None:
+    """The most memory allocated on `device` since the process started (CUDA only; `None` elsewhere)."""
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+
+
 def clock(device: torch.device) -> float:
     """`time.perf_counter()` once the work queued on `device` is done."""
     synchronize(device)

@@ -206,10 +206,17 @@ def train(script: DFlashScriptArguments, config) -> dict:
 
 def _throughput(trainer, result) -> dict:
     """The run's anchor-blocks trained and their rate over the Trainer's `train_runtime` (the training loop, its
-    evaluations included; loading the target and the export are not)."""
+    evaluations included; loading the target and the export are not), and the device's peak memory (CUDA)."""
+    from dflash_hf.runtime import peak_memory_bytes
+
     blocks = trainer.anchor_blocks_trained
     runtime = float(result.metrics.get("train_runtime") or 0.0)
-    return {"anchor_blocks": blocks, "anchor_blocks_per_second": round(blocks / runtime, 1) if runtime > 0 else None}
+    peak = peak_memory_bytes(trainer.args.device)
+    return {
+        "anchor_blocks": blocks,
+        "anchor_blocks_per_second": round(blocks / runtime, 1) if runtime > 0 else None,
+        "peak_device_memory_gb": None if peak is None else round(peak / 2**30, 2),
+    }
 
 
 def _end_distributed(trainer) -> None:
