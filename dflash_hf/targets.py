@@ -17,6 +17,10 @@ dequantizes it to float32 and stores it as a plain safetensors checkpoint (model
 
 The cache (`target_cache`) is checked before every load and rebuilt when it is not intact.
 
+`random:<shape>` (`random:qwen3-8b`, `random:llama-3.1-8b`, `random:gemma-3-4b`, `random:tiny-qwen3`) builds a target
+of that public model's shape with random weights directly on the device (`dflash_hf.random_targets`): real sizes for
+speed measurements, nothing to download.
+
 Any other name is passed to `AutoModelForCausalLM.from_pretrained` unchanged (a local folder or a Hub id).
 
     >>> from dflash_hf.targets import load_target
@@ -43,6 +47,7 @@ from transformers import (
 )
 
 from .gguf_chunks import ChunkedGGUF, package_folder
+from .random_targets import RANDOM_PREFIX, RANDOM_SHAPES, build_random_target, is_random_target
 from .runtime import resolve_dtype
 from .special_tokens import configure_generation
 from .target.support import check_target_config
@@ -187,6 +192,11 @@ TARGETS: dict[str, TargetSpec] = {
 """Named targets accepted by [`load_target`]."""
 
 
+def target_names() -> str:
+    """The named and random targets, comma-separated (for help texts and errors)."""
+    return ", ".join([*TARGETS, *(RANDOM_PREFIX + shape for shape in RANDOM_SHAPES)])
+
+
 def resolve_target_dir(name: str, rebuild: bool = False, progress: bool = True) -> Path:
     """Folder of the verified safetensors cache of a named target, building it first when needed.
 
@@ -220,13 +230,18 @@ def _target_source(name_or_path: str | os.PathLike, rebuild: bool = False, progr
     """The folder (or Hub id) a target loads from: a named target's verified cache (built when needed, with a
     progress bar unless `progress` is false), or the folder or Hub id given; a `ValueError` for anything else."""
     source = os.fspath(name_or_path)
+    if is_random_target(source):
+        raise ValueError(
+            f"{source!r} is a random target: it is built by `load_target` (bench, profile, generate), it has no folder "
+            "to read a description from; name a real target here."
+        )
     if source in TARGETS:
         return os.fspath(resolve_target_dir(source, rebuild=rebuild, progress=progress))
     if rebuild:
         raise ValueError(f"`rebuild` only applies to the named targets ({', '.join(TARGETS)}), not to {source!r}.")
     if not Path(source).is_dir() and not is_hub_id(source):
         raise ValueError(
-            f"Target {source!r} is neither a named target ({', '.join(TARGETS)}), nor an existing folder, nor a Hub "
+            f"Target {source!r} is neither a named or random target ({target_names()}), nor an existing folder, nor a Hub "
             "id of the form `org/name`."
         )
     check_target_config(source)
@@ -263,7 +278,8 @@ def load_target(
     """Load a target LLM and its tokenizer, ready for `dflash_hf.generate`.
 
     Args:
-        name_or_path: A named target (a key of [`TARGETS`]), a local model folder or a Hub id.
+        name_or_path: A named target (a key of [`TARGETS`]), a random target (`random:<shape>`, see
+            `dflash_hf.random_targets`), a local model folder or a Hub id.
         dtype: Parameter dtype (the named targets are cached in float32), or its name for [`resolve_dtype`]
             (`auto`: bfloat16 on CUDA, float32 elsewhere).
         device: Where to put the model (default: CPU).
@@ -273,6 +289,10 @@ def load_target(
     Returns:
         `(model, tokenizer)`, the model in eval mode with EOS and pad ids set in its generation config.
     """
+    if is_random_target(os.fspath(name_or_path)):
+        if rebuild:
+            raise ValueError(f"`rebuild` applies to the named targets' caches; {name_or_path!r} is built every time.")
+        return build_random_target(os.fspath(name_or_path), resolve_dtype(dtype, device), device)
     source = _target_source(name_or_path, rebuild, progress)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, device))

@@ -19,6 +19,7 @@ from .methods import (
     MethodRun,
     default_methods,
     drafter_methods,
+    oracle_methods,
     sampling_methods,
     widest_verify,
 )
@@ -42,7 +43,7 @@ from .results import (
     Mismatch,
     PromptResult,
 )
-from .run import hardware_info, run_bench
+from .run import exactness_required, hardware_info, run_bench
 
 __all__ = [
     "BENCH_FORMAT",
@@ -61,8 +62,10 @@ __all__ = [
     "MethodRun",
     "default_methods",
     "drafter_methods",
+    "oracle_methods",
     "widest_verify",
     "sampling_methods",
+    "exactness_required",
     "hardware_info",
     "benchmark_table",
     "card_metrics",

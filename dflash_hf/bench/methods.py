@@ -22,6 +22,7 @@ from ..engine.acceptance import SAMPLING_PROPOSALS
 from ..engine.candidates import CandidatePlan
 from ..engine.generation import generate
 from ..engine.lookup import lookup_branch_length
+from ..engine.oracle import OracleDrafts
 from ..modeling import DFlashDraftModel
 from ..runtime import Stopwatch
 from ..target.adapter import engine_kernels, uses_engine_kernels
@@ -59,8 +60,9 @@ class MethodRun:
     verify_widths: list[int] | None = None
 
 
-MethodRunner = Callable[[torch.LongTensor, int], MethodRun]
-"""Decodes one prompt `(1, length)` with at most `max_new_tokens` new tokens."""
+MethodRunner = Callable[..., MethodRun]
+"""Decodes one prompt `(1, length)` with at most `max_new_tokens` new tokens; a method that `replays` another's output
+takes that output's new tokens on the same prompt as a third argument."""
 
 SAMPLING_SEED = 0  # every sampled run starts from this torch seed, so a bench run is reproducible
 
@@ -72,6 +74,8 @@ class BenchMethod:
     `baseline` names the method it is compared with (speedup, and token equality unless `sampled`); `None` is the
     bench's first method, plain greedy. A `sampled` method's output is random: it is compared in speed only (that
     sampling keeps the target's distribution is a property the distribution tests check, not one prompt can show).
+    `replays` names the method whose output on the same prompt this method's oracle drafts replay (the oracle rows:
+    plain greedy), which must run before it.
     """
 
     name: str
@@ -81,6 +85,7 @@ class BenchMethod:
     block_size: int | None = None
     baseline: str | None = None
     sampled: bool = False
+    replays: str | None = None
 
 
 def _transformers_runner(
@@ -109,29 +114,38 @@ def _transformers_runner(
                 )
         finally:
             watch.close()
-        prompt_length = input_ids.shape[1]
+        prompt_length, forwards = input_ids.shape[1], watch.target_seconds
         return MethodRun(
             new_tokens=sequences[0, prompt_length:].tolist(),
             seconds=stopwatch.total,
             accepted_lengths=watch.accepted_lengths(prompt_length, sequences.shape[1]),
             draft_time=watch.draft_seconds if drafter is not None else None,
-            verify_time=sum(watch.target_seconds[1:]),
-            prefill_time=watch.target_seconds[0] if watch.target_seconds else None,
+            verify_time=sum(forwards[1:]),
+            prefill_time=forwards[0] if forwards else None,
         )
 
     return run
 
 
 def _engine_runner(
-    target: PreTrainedModel, drafter: DFlashDraftModel, block_size: int | str, **generate_kwargs: Any
+    target: PreTrainedModel,
+    drafter: DFlashDraftModel,
+    block_size: int | str,
+    oracle_keep: float | None = None,
+    **generate_kwargs: Any,
 ) -> MethodRunner:
     """Runner for this package's engine, [`dflash_hf.generate`], at one block size (or `"adaptive"`); greedy unless
-    `do_sample=True` is given."""
+    `do_sample=True` is given. With `oracle_keep`, the drafts replay the reference given as the runner's third argument
+    ([`OracleDrafts`], each slot kept with that probability)."""
     generate_kwargs = {"do_sample": False, **generate_kwargs}
 
-    def run(input_ids: torch.LongTensor, max_new_tokens: int) -> MethodRun:
+    def run(input_ids: torch.LongTensor, max_new_tokens: int, reference: list[int] | None = None) -> MethodRun:
         if generate_kwargs["do_sample"]:
             torch.manual_seed(SAMPLING_SEED)
+        oracle = {}
+        if oracle_keep is not None:
+            replayed = torch.tensor([reference], dtype=torch.long, device=input_ids.device)
+            oracle["oracle"] = OracleDrafts(replayed, oracle_keep)
         with Stopwatch(input_ids.device) as stopwatch:
             out = generate(
                 target,
@@ -142,6 +156,7 @@ def _engine_runner(
                 max_new_tokens=max_new_tokens,
                 return_dict_in_generate=True,
                 **generate_kwargs,
+                **oracle,
             )
         return MethodRun(
             new_tokens=out.sequences[0, input_ids.shape[1] :].tolist(),
@@ -285,6 +300,32 @@ def sampling_methods(
     return [_method(target, drafter, row) for row in rows]
 
 
+def oracle_methods(
+    target: PreTrainedModel,
+    drafter: DFlashDraftModel,
+    probabilities: Sequence[float],
+    block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES,
+) -> list[BenchMethod]:
+    """Oracle rows: per probability P and block size the drafter runs, our engine whose drafts replay plain greedy's
+    output on the same prompt, each slot kept with probability P (`dflash_hf.engine.oracle`): the drafter's forward
+    and the engine's cycle at their real cost, tau set by P. Named `oracle_b<B>_p<P>`."""
+    bad = [p for p in probabilities if not 0.0 <= float(p) <= 1.0]
+    if bad:
+        raise ValueError(f"Oracle probabilities must lie in [0, 1], got {bad}.")
+    sizes = _checked_sizes(drafter, block_sizes, ())
+    rows = [
+        _Row(
+            f"oracle_b{b}_p{p:g}",
+            f"dflash-hf B={b}, oracle P={p:g}",
+            {"block_size": b, "candidates": "dflash", "oracle": _Oracle(float(p))},
+            replays="greedy",
+        )
+        for p in probabilities
+        for b in sizes
+    ]
+    return [_method(target, drafter, row) for row in rows]
+
+
 @dataclass(frozen=True)
 class _Row:
     """One row of a bench: its name, its label, and the arguments of the `generate` call it times, which its
@@ -292,6 +333,7 @@ class _Row:
 
     An engine row calls `dflash_hf.generate` (its `block_size` among the arguments), any other `target.generate`
     (`kernels`: with the engine's kernels). `block_size` is the row's block where the arguments do not give it.
+    `replays`: the row whose output its oracle drafts replay (an [`_Oracle`] among the arguments).
     """
 
     name: str
@@ -303,6 +345,7 @@ class _Row:
     sampled: bool = False
     kernels: bool = False
     hidden: dict[str, Any] = field(default_factory=dict)
+    replays: str | None = None
 
 
 class _Drafter:
@@ -313,6 +356,18 @@ class _Drafter:
 
 
 _DRAFTER = _Drafter()
+
+
+@dataclass(frozen=True)
+class _Oracle:
+    """Stands for an oracle row's [`OracleDrafts`] among its `generate` arguments (the reference is each prompt's)."""
+
+    keep: float
+
+    def __repr__(self) -> str:
+        return f"OracleDrafts(plain greedy's output, keep={self.keep:g})"
+
+
 _UNFILTERED = {"top_k": None, "top_p": None}  # sampling from the whole distribution, whatever the generation config
 
 
@@ -371,8 +426,10 @@ def _method(target: PreTrainedModel, drafter: DFlashDraftModel, row: _Row) -> Be
     """The bench method of `row`: its runner, and its description from its `generate` arguments."""
     arguments = {key: drafter if value is _DRAFTER else value for key, value in {**row.generate, **row.hidden}.items()}
     shown = ", ".join(f"{key}={_shown(value)}" for key, value in row.generate.items())
+    oracle = arguments.pop("oracle", None)
     if row.engine:
-        runner = _engine_runner(target, drafter, arguments.pop("block_size"), **arguments)
+        keep = None if oracle is None else oracle.keep
+        runner = _engine_runner(target, drafter, arguments.pop("block_size"), oracle_keep=keep, **arguments)
         description = f"dflash_hf.generate({shown})"
     else:
         watched = drafter if _DRAFTER in row.generate.values() else None
@@ -381,7 +438,7 @@ def _method(target: PreTrainedModel, drafter: DFlashDraftModel, row: _Row) -> Be
             " with the engine's kernels (prepacked LM head)" if row.kernels else ""
         )
     block_size = row.generate["block_size"] if row.block_size is None and row.engine else row.block_size
-    return BenchMethod(row.name, row.label, runner, description, block_size, row.baseline, row.sampled)
+    return BenchMethod(row.name, row.label, runner, description, block_size, row.baseline, row.sampled, row.replays)
 
 
 def _shown(value: Any) -> str:

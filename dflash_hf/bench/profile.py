@@ -140,6 +140,35 @@ def _relative_costs(measured: dict[str, dict[int, float]]) -> dict[str, dict[str
     return result
 
 
+def _at(points: dict[str, float], x: int) -> float:
+    """A measured cost curve (`{count: cost}`) at `x`: linear between the measured counts around it, extended along
+    the nearest segment beyond them (a single point: constant)."""
+    xs = sorted(int(k) for k in points)
+    ys = [points[str(k)] for k in xs]
+    if len(xs) == 1:
+        return ys[0]
+    right = next((i for i, k in enumerate(xs) if k >= x), len(xs) - 1)
+    right = min(max(right, 1), len(xs) - 1)
+    (x0, y0), (x1, y1) = (xs[right - 1], ys[right - 1]), (xs[right], ys[right])
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def predicted_speedup(
+    profile: dict[str, Any], accepted_lengths: list[int], verify_widths: list[int], block_sizes: list[int]
+) -> float | None:
+    """The cost model's speedup over plain decoding of a run's cycles: tokens committed per cycle (tau) over what a
+    cycle costs in 1-token target steps, `tau / mean(verify(w) + draft(B))`, each cycle's verify of `w` tokens and
+    draft of a `B`-token block costed from [`measure_costs`]' `profile` (`target_relative`, `drafter_relative`;
+    between measured sizes linearly). What a run measures beyond it is the engine's own overhead (and the prefill,
+    and plain decoding's per-token overhead, both outside the model). `None` without cycles or drafter costs."""
+    draft = profile.get("drafter_relative")
+    if not accepted_lengths or not draft:
+        return None
+    verify = profile["target_relative"]
+    cost = sum(_at(verify, w) + _at(draft, b) for w, b in zip(verify_widths, block_sizes, strict=True))
+    return sum(accepted_lengths) / cost if cost > 0 else None
+
+
 def plot_profiles(profiles: list[dict[str, Any]], axes) -> None:
     """Cost relative to a 1-token step vs tokens per forward: per profile a target line (and one in Transformers'
     `sdpa` and the matmul floor, where measured) and a drafter line (and its matmuls alone)."""

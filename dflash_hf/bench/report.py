@@ -22,12 +22,19 @@ def _fmt(value: float | None, digits: int = 2, suffix: str = "", empty: str = "n
 
 
 def _exact_cell(summary: dict[str, Any]) -> str:
-    """The table's "exact" cell: yes, NO with the prompts, or n/a for sampled outputs (not compared token by token)."""
+    """The table's "exact" cell: yes; NO with the tokens identical to greedy's, the first position where an output
+    differs and the prompts; or n/a for sampled outputs (not compared token by token)."""
     if summary["exact"] is None:
         return "n/a (sampled)"
     if summary["exact"]:
         return "yes"
-    return f"**NO** (prompts {', '.join(map(str, summary['mismatched_prompts']))})"
+    prompts = ", ".join(map(str, summary["mismatched_prompts"]))
+    if summary.get("identical_tokens") is None:  # a result written before the counts were recorded
+        return f"**NO** (prompts {prompts})"
+    return (
+        f"**NO**: {summary['identical_tokens']}/{summary['reference_tokens']} tokens as greedy, first differs at "
+        f"{summary['first_mismatch']} (prompts {prompts})"
+    )
 
 
 def _slot_cell(summary: dict[str, Any]) -> str:
@@ -42,22 +49,27 @@ def markdown_table(result: BenchResult | dict[str, Any] | str | os.PathLike) -> 
     When the run has plain greedy decoding with the engine's kernels, a column gives every method's speedup over
     that baseline too (the gain from speculation alone); when a method verified a prompt-lookup branch, a last column
     says in how many cycles that branch was the accepted one. A run that recorded the tokens verified per cycle also
-    shows the mean verify width and the acceptance rate of draft slots 1-3."""
+    shows the mean verify width and the acceptance rate of draft slots 1-3. A run that measured a cost profile gives
+    the cost model's speedup of every drafting method beside the measured one (`predicted`)."""
     document = as_document(result)
     kernels = next((m for m in document["methods"] if m["name"] == KERNEL_BASELINE), None)
     kernel_rate = kernels["summary"]["tokens_per_s"] if kernels else None
     lookups = any(m["summary"].get("lookup_win_rate") is not None for m in document["methods"])
     widths = any(m["summary"].get("mean_verify_width") is not None for m in document["methods"])
+    predicted = any(m["summary"].get("predicted_speedup") is not None for m in document["methods"])
     extra = (" vs greedy with engine kernels |", "---:|") if kernel_rate else ("", "")
     if lookups:
         extra = (extra[0] + " lookup branch won |", extra[1] + "---:|")
     columns = (" verify width | slots 1/2/3 accepted |", "---:|---:|") if widths else ("", "")
+    model = (" predicted |", "---:|") if predicted else ("", "")
     lines = [
         "| Method | mean block |"
         + columns[0]
-        + " tau | tokens/s | speedup | draft ms/cycle | verify ms/cycle | exact |"
+        + " tau | tokens/s | speedup |"
+        + model[0]
+        + " draft ms/cycle | verify ms/cycle | exact |"
         + extra[0],
-        "|---|---:|" + columns[1] + "---:|---:|---:|---:|---:|---|" + extra[1],
+        "|---|---:|" + columns[1] + "---:|---:|---:|" + model[1] + "---:|---:|---|" + extra[1],
     ]
     for method in document["methods"]:
         summary = method["summary"]
@@ -65,10 +77,11 @@ def markdown_table(result: BenchResult | dict[str, Any] | str | os.PathLike) -> 
         cells = ""
         if widths:
             cells = f" {_fmt(summary.get('mean_verify_width'), 1, empty='-')} | {_slot_cell(summary)} |"
+        model_cell = f" {_fmt(summary.get('predicted_speedup'), suffix='x', empty='-')} |" if predicted else ""
         line = (
             f"| {method['label']} | {_fmt(summary['mean_block_size'], 1, empty='-')} |{cells} {_fmt(summary['tau'])} "
             f"| {_fmt(summary['tokens_per_s'])} "
-            f"| {_fmt(summary['speedup'], suffix='x')} | {_fmt(summary['draft_ms_per_cycle'], 1)} "
+            f"| {_fmt(summary['speedup'], suffix='x')} |{model_cell} {_fmt(summary['draft_ms_per_cycle'], 1)} "
             f"| {_fmt(summary['verify_ms_per_cycle'], 1)} | {exact} |"
         )
         if kernel_rate:
@@ -200,7 +213,15 @@ def render_markdown(
         "Speedup is tokens/s over plain greedy `target.generate` in the same process on the same prompts (sampled rows: "
         "over plain sampling `target.generate(do_sample=True)` at the same temperature); tau is tokens committed per "
         "target forward after the prefill; exact means every output equals plain greedy's, token for token (sampled "
-        "outputs are random: their losslessness is a distribution property, checked by the test suite).",
+        "outputs are random: their losslessness is a distribution property, checked by the test suite); where one "
+        "differs, the cell gives the tokens before each prompt's first difference, summed, and the earliest one."
+        + (
+            " Predicted is the cost model's speedup of the row's own cycles, tau / (verify + draft) in 1-token target "
+            "steps of the cost profile below: the gap to the measured speedup is the engine's own overhead (and the "
+            "prefill)."
+            if any(m["summary"].get("predicted_speedup") is not None for m in document["methods"])
+            else ""
+        ),
         "",
         f"![Speedup by method]({prefix}{PLOT_NAMES['speedup']})",
         f"![Accepted lengths]({prefix}{PLOT_NAMES['accepted_lengths']})",
@@ -213,7 +234,15 @@ def render_markdown(
     if document.get("command"):
         lines += ["", "Command:", "", "```bash", document["command"], "```"]
     if not document["exact"]:
-        lines += ["", f"**Warning: {len(document['mismatches'])} output(s) differ from plain greedy decoding.**"]
+        if document.get("exact_required", True):
+            lines += ["", f"**Warning: {len(document['mismatches'])} output(s) differ from plain greedy decoding.**"]
+        else:
+            lines += [
+                "",
+                f"{len(document['mismatches'])} output(s) differ from plain greedy decoding in {settings['dtype']} on "
+                f"{hardware['device']}, where every committed token is the target's argmax of its own verify forward "
+                "(README, Guarantees).",
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -302,11 +331,13 @@ def _cpu(hardware: dict[str, Any]) -> str:
 
 
 def hardware_line(hardware: dict[str, Any]) -> str:
-    """The `Hardware: ...` line of a report: CPU, threads, device (GPU, MKL mode on CPU) and library versions."""
+    """The `Hardware: ...` line of a report: CPU, threads, device (GPU, MKL mode on CPU) and library versions (CUDA's
+    on a GPU)."""
+    cuda = f", CUDA {hardware['cuda']}" if hardware.get("cuda") else ""
     return (
         f"Hardware: {_cpu(hardware)} ({hardware['torch_threads']} torch threads of {hardware['cpus_available']} "
-        f"CPUs available{_gpu(hardware)}, device {hardware['device']}{_mkl(hardware)}); torch {hardware['torch']}, transformers "
-        f"{hardware['transformers']}, Python {hardware['python']}."
+        f"CPUs available{_gpu(hardware)}, device {hardware['device']}{_mkl(hardware)}); torch {hardware['torch']}{cuda}, "
+        f"transformers {hardware['transformers']}, Python {hardware['python']}."
     )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from ..engine.acceptance import acceptance_rate_by_slot
 from ..fileio import read_json
 from .methods import BenchMethod, MethodRun
+from .profile import predicted_speedup
 from .prompts import BenchPrompt
 
 BENCH_FORMAT = "dflash-hf-bench/1"
@@ -22,7 +23,9 @@ BENCH_FORMAT = "dflash-hf-bench/1"
 
 @dataclass
 class PromptResult:
-    """What one method did on one prompt (times in seconds; `matches_greedy` is `None` for sampled outputs)."""
+    """What one method did on one prompt (times in seconds). Against its baseline's output on the prompt:
+    `matches_greedy`, `first_mismatch` (the first new-token position where they differ, `None` where they do not) and
+    `identical_tokens` (the new tokens before it); all three `None` for sampled outputs."""
 
     prompt: int
     new_tokens: int
@@ -41,11 +44,18 @@ class PromptResult:
     output_ids: list[int]
     lookup_wins: int | None = None
     verify_widths: list[int] | None = None
+    identical_tokens: int | None = None
 
 
 @dataclass
 class MethodSummary:
-    """One method over all prompts (`exact` is `None` for sampled methods, which are compared in speed only)."""
+    """One method over all prompts (`exact` is `None` for sampled methods, which are compared in speed only).
+
+    `identical_tokens` of `reference_tokens`: the new tokens before each prompt's first difference from the baseline,
+    summed, and the baseline's new tokens; `first_mismatch`: the earliest position where any prompt's output differs
+    (`None` when none does). `predicted_speedup`: the cost model's speedup of this method's cycles (see
+    [`dflash_hf.bench.profile.predicted_speedup`]), where the run measured a cost profile and the method drafts.
+    """
 
     prompts: int
     new_tokens: int
@@ -64,6 +74,10 @@ class MethodSummary:
     mismatched_prompts: list[int]
     lookup_win_rate: float | None = None
     mean_verify_width: float | None = None
+    identical_tokens: int | None = None
+    reference_tokens: int | None = None
+    first_mismatch: int | None = None
+    predicted_speedup: float | None = None
 
 
 @dataclass
@@ -108,6 +122,7 @@ class BenchResult:
     cost_profile: dict[str, Any] | None = None
     by_benchmark: dict[str, dict[str, dict[str, Any]]] | None = None
     llama_cpp: dict[str, Any] | None = None
+    exact_required: bool = True
 
     def method(self, name: str) -> MethodResult:
         """The result of the method called `name`."""
@@ -121,6 +136,11 @@ class BenchResult:
         """Whether every method reproduced plain greedy decoding token for token on every prompt."""
         return not self.mismatches
 
+    @property
+    def failed(self) -> bool:
+        """Whether an output differs from plain greedy where it must not ([`exactness_required`])."""
+        return self.exact_required and not self.exact
+
     def to_json(self) -> dict[str, Any]:
         """The JSON document written to `bench.json`."""
         return {
@@ -130,6 +150,7 @@ class BenchResult:
             "settings": self.settings,
             "hardware": self.hardware,
             "exact": self.exact,
+            "exact_required": self.exact_required,
             "mismatches": [dataclasses.asdict(m) for m in self.mismatches],
             "methods": [dataclasses.asdict(m) for m in self.methods],
             "prompts": self.prompts,
@@ -168,12 +189,14 @@ def _per_prompt(index: int, run: MethodRun, reference: MethodRun | None, compare
     output first differs from it (`matches_greedy` is `None` for sampled runs, which are not compared)."""
     cycles = len(run.accepted_lengths)
     speedup, matches, position = None, (True if compare_tokens else None), None
+    identical = len(run.new_tokens) if compare_tokens else None
     if reference is not None:
         if run.seconds > 0 and reference.seconds > 0 and reference.new_tokens:
             speedup = (len(run.new_tokens) / run.seconds) / (len(reference.new_tokens) / reference.seconds)
         if compare_tokens:
             position = _first_mismatch(reference.new_tokens, run.new_tokens)
             matches = position is None
+            identical = len(reference.new_tokens) if position is None else position
     return PromptResult(
         prompt=index,
         new_tokens=len(run.new_tokens),
@@ -192,11 +215,19 @@ def _per_prompt(index: int, run: MethodRun, reference: MethodRun | None, compare
         output_ids=run.new_tokens,
         lookup_wins=run.lookup_wins,
         verify_widths=run.verify_widths,
+        identical_tokens=identical,
     )
 
 
-def _summary(records: list[PromptResult], block_size: int | None, reference_rate: float | None) -> MethodSummary:
-    """One method's records summed up; speedup against `reference_rate` (tokens/s of its baseline)."""
+def _summary(
+    records: list[PromptResult],
+    block_size: int | None,
+    reference_rate: float | None,
+    reference: list[MethodRun] | None = None,
+    cost_profile: dict[str, Any] | None = None,
+) -> MethodSummary:
+    """One method's records summed up; speedup against `reference_rate` (tokens/s of its baseline), identical tokens
+    against its baseline's runs `reference`, the cost model's speedup from `cost_profile`."""
     tokens = sum(r.new_tokens for r in records)
     seconds = sum(r.seconds for r in records)
     lengths = [n for r in records for n in r.accepted_lengths]
@@ -214,6 +245,7 @@ def _summary(records: list[PromptResult], block_size: int | None, reference_rate
     slots = block_size if block_size is not None else max(lengths, default=0)
     mismatched = [r.prompt for r in records if r.matches_greedy is False]
     compared = all(r.matches_greedy is not None for r in records)
+    positions = [r.first_mismatch for r in records if r.first_mismatch is not None]
     prefills = [r.prefill_s for r in records]
     return MethodSummary(
         prompts=len(records),
@@ -239,7 +271,28 @@ def _summary(records: list[PromptResult], block_size: int | None, reference_rate
             else None
         ),
         mean_verify_width=sum(widths) / len(widths) if widths else None,
+        identical_tokens=sum(r.identical_tokens for r in records) if compared else None,
+        reference_tokens=(
+            sum(len(reference[r.prompt].new_tokens) for r in records) if compared and reference is not None else None
+        ),
+        first_mismatch=min(positions, default=None),
+        predicted_speedup=_predicted(cost_profile, records, block_size),
     )
+
+
+def _predicted(
+    cost_profile: dict[str, Any] | None, records: list[PromptResult], block_size: int | None
+) -> float | None:
+    """The cost model's speedup of a drafting method's cycles (each cycle's verify width and block as recorded, else
+    its `block_size`); `None` without a profile, or for a method that drafts nothing."""
+    if cost_profile is None or block_size is None:
+        return None
+    lengths, widths, blocks = [], [], []
+    for r in records:
+        lengths += r.accepted_lengths
+        widths += r.verify_widths if r.verify_widths is not None else [block_size] * len(r.accepted_lengths)
+        blocks += r.block_sizes if r.block_sizes is not None else [block_size] * len(r.accepted_lengths)
+    return predicted_speedup(cost_profile, lengths, widths, blocks)
 
 
 def benchmark_summaries(
@@ -268,10 +321,14 @@ def benchmark_summaries(
 
 
 def compare_runs(
-    methods: list[BenchMethod], runs: dict[str, list[MethodRun]], prompts: Sequence[BenchPrompt]
+    methods: list[BenchMethod],
+    runs: dict[str, list[MethodRun]],
+    prompts: Sequence[BenchPrompt],
+    cost_profile: dict[str, Any] | None = None,
 ) -> tuple[dict[str, list[PromptResult]], list[MethodResult], list[Mismatch]]:
     """Per-prompt records, per-method results and mismatches, each method against its baseline (default: the
-    first method, plain greedy; sampled methods in speed only)."""
+    first method, plain greedy; sampled methods in speed only); with the run's `cost_profile`, the cost model's
+    speedup of every drafting method."""
     first = methods[0].name
     rates = {
         m.name: _summary([_per_prompt(i, run, None) for i, run in enumerate(runs[m.name])], None, None).tokens_per_s
@@ -291,7 +348,7 @@ def compare_runs(
             for record in records:
                 record.speedup = 1.0
         results[method.name] = records
-        summary = _summary(records, method.block_size, rates[baseline])
+        summary = _summary(records, method.block_size, rates[baseline], runs[baseline], cost_profile)
         summaries.append(
             MethodResult(
                 method.name, method.label, method.description, method.block_size, baseline, method.sampled, summary

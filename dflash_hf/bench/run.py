@@ -1,16 +1,19 @@
 """One bench run: every method on every prompt, interleaved, compared token by token with plain greedy decoding
 (sampled methods: in speed only, against plain sampling at the same temperature).
 
-The result is a [`BenchResult`] (`dflash_hf.bench.results`): per-prompt records and per-method summaries.
+The result is a [`BenchResult`] (`dflash_hf.bench.results`): per-prompt records and per-method summaries. Each
+finished run (a method on a prompt) and each phase (warm-up, cost profile) prints one line on stderr with its time, so
+a slow row shows while the bench runs, with or without progress bars.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.metadata
 import platform
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +23,7 @@ from transformers import PreTrainedModel
 
 from .. import mkl_choice
 from ..modeling import DFlashDraftModel
-from ..runtime import available_cpus, cpu_model, mkl_mode, native_bf16_feature
+from ..runtime import available_cpus, clock, cpu_model, mkl_mode, native_bf16_feature
 from .methods import BenchMethod, MethodRun, default_methods
 from .profile import measure_costs
 from .prompts import BenchPrompt
@@ -38,7 +41,7 @@ def hardware_info(device: torch.device) -> dict[str, Any]:
         "mkl": mkl_mode(),
         "mkl_choice": mkl_choice.reason(),
         "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        **_gpu_info(device),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -49,6 +52,29 @@ def hardware_info(device: torch.device) -> dict[str, Any]:
     except importlib.metadata.PackageNotFoundError:
         info["dflash_hf"] = None
     return info
+
+
+def _gpu_info(device: torch.device) -> dict[str, Any]:
+    """The GPU of a CUDA device: its name, compute capability and memory, and the CUDA and cuDNN versions torch was
+    built with (`gpu`: `None` on other devices)."""
+    if device.type != "cuda":
+        return {"gpu": None}
+    properties = torch.cuda.get_device_properties(device)
+    return {
+        "gpu": properties.name,
+        "gpu_capability": f"{properties.major}.{properties.minor}",
+        "gpu_memory_gib": round(properties.total_memory / 2**30, 1),
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+    }
+
+
+def exactness_required(target: PreTrainedModel) -> bool:
+    """Whether every output must equal plain greedy decoding token for token (a difference is an error): in float32
+    anywhere, and on CPU in any precision (reduced precision verifies row-exact there). In bfloat16 / float16 on a GPU
+    the engine commits the target's argmax of its own verify forward, which may differ from a one-token step's in the
+    last bits; there differences are reported, not fatal."""
+    return target.dtype == torch.float32 or target.device.type == "cpu"
 
 
 def run_bench(
@@ -79,18 +105,25 @@ def run_bench(
             [`dflash_hf.bench.profile.measure_costs`]), after the methods' warm-up and before the timed runs.
 
     Returns:
-        A [`BenchResult`]; `result.mismatches` lists every output that differs from greedy (also printed to stderr).
+        A [`BenchResult`]; `result.mismatches` lists every output that differs from greedy (printed to stderr where
+        [`exactness_required`]).
     """
     methods = _checked(
         prompts, max_new_tokens, warmup_tokens, default_methods(target, drafter) if methods is None else methods
     )
     inputs = [torch.tensor([p.input_ids], dtype=torch.long, device=target.device) for p in prompts]
     if warmup_tokens:
-        _warm_up(methods, inputs[0], min(warmup_tokens, max_new_tokens), progress)
-    costs = measure_costs(target, drafter) if profile_costs else None
+        with _phase("warm-up", target.device):
+            _warm_up(methods, inputs[0], min(warmup_tokens, max_new_tokens), progress)
+    costs = None
+    if profile_costs:
+        with _phase("cost profile", target.device):
+            costs = measure_costs(target, drafter)
     runs = _decode_all(methods, inputs, max_new_tokens, progress)
-    results, summaries, mismatches = compare_runs(methods, runs, prompts)
-    _print_mismatches(mismatches)
+    results, summaries, mismatches = compare_runs(methods, runs, prompts, costs)
+    required = exactness_required(target)
+    if required:
+        _print_mismatches(mismatches)
     recorded = _recorded_settings(target, drafter, len(prompts), methods, max_new_tokens, warmup_tokens)
     recorded.update(settings or {})
     return BenchResult(
@@ -106,6 +139,7 @@ def run_bench(
         mismatches=mismatches,
         cost_profile=costs,
         by_benchmark=benchmark_summaries(summaries, results, [p.benchmark for p in prompts]),
+        exact_required=required,
     )
 
 
@@ -167,14 +201,35 @@ def _checked(
     missing = sorted({m.baseline for m in methods if m.baseline is not None} - set(names))
     if missing:
         raise ValueError(f"Methods compare with {missing}, which are not among the methods {names}.")
+    for index, method in enumerate(methods):
+        if method.replays is not None and method.replays not in names[:index]:
+            raise ValueError(
+                f"Method {method.name!r} replays {method.replays!r}, which must come before it among the methods {names}."
+            )
     return methods
+
+
+@contextlib.contextmanager
+def _phase(name: str, device: torch.device) -> Iterator[None]:
+    """One stderr line with the wall time of a phase of the run, once it is done."""
+    start = clock(device)
+    yield
+    print(f"bench: {name} done in {clock(device) - start:.1f} s", file=sys.stderr, flush=True)
+
+
+def _run(method: BenchMethod, prompt_ids: torch.LongTensor, tokens: int, done: dict[str, MethodRun]) -> MethodRun:
+    """`method` on one prompt; `done` holds the runs of the methods before it on that prompt (what it replays)."""
+    if method.replays is None:
+        return method.run(prompt_ids, tokens)
+    return method.run(prompt_ids, tokens, done[method.replays].new_tokens)
 
 
 @torch.no_grad()
 def _warm_up(methods: list[BenchMethod], prompt_ids: torch.LongTensor, tokens: int, progress: bool) -> None:
     """Every method decodes `tokens` tokens of `prompt_ids`, untimed (first-call set-up out of the timings)."""
+    done: dict[str, MethodRun] = {}
     for method in tqdm(methods, desc="warm-up", unit="method", disable=not progress):
-        method.run(prompt_ids, tokens)
+        done[method.name] = _run(method, prompt_ids, tokens, done)
 
 
 @torch.no_grad()
@@ -185,8 +240,22 @@ def _decode_all(
     runs: dict[str, list[MethodRun]] = {m.name: [] for m in methods}
     with tqdm(total=len(inputs) * len(methods), desc="bench", unit="run", disable=not progress) as bar:
         for index, prompt_ids in enumerate(inputs):
+            done: dict[str, MethodRun] = {}
             for method in methods:
                 bar.set_postfix_str(f"prompt {index} {method.name}")
-                runs[method.name].append(method.run(prompt_ids, max_new_tokens))
+                done[method.name] = run = _run(method, prompt_ids, max_new_tokens, done)
+                runs[method.name].append(run)
+                baseline = done[method.baseline or methods[0].name]
+                tqdm.write(_run_line(index, len(inputs), method.name, run, baseline), file=sys.stderr)
                 bar.update()
     return runs
+
+
+def _run_line(index: int, prompts: int, name: str, run: MethodRun, baseline: MethodRun) -> str:
+    """The stderr line of one finished run: prompt, method, wall time, tokens/s and speedup over its baseline."""
+    rate = len(run.new_tokens) / run.seconds if run.seconds > 0 else float("nan")
+    base = len(baseline.new_tokens) / baseline.seconds if baseline.seconds > 0 else float("nan")
+    return (
+        f"bench: prompt {index + 1}/{prompts} {name}: {run.seconds:.2f} s, {len(run.new_tokens)} tokens, "
+        f"{rate:.1f} tokens/s, {rate / base:.2f}x"
+    )

@@ -13,19 +13,20 @@ import torch
 from ..cli_settings import add_fields
 from ..mkl_choice import MKL_MODES
 from ..runtime import available_cpus
-from ..targets import DEFAULT_TARGET, TARGETS
+from ..targets import DEFAULT_TARGET, target_names
 
 
 def load_models(
     target: str,
-    drafter_dir: Path,
+    drafter_dir: Path | None,
     device: torch.device,
     dtype: str = "float32",
     max_block: int = 16,
     verify_tokens: int | None = None,
 ):
     """Load `(target, tokenizer, drafter, precision)` on `device`, the drafter in the target's dtype, without loading
-    bars. `precision` says which dtype was used and why.
+    bars. `precision` says which dtype was used and why. `drafter_dir=None` (a random target without `--drafter`):
+    an untrained drafter of the DFlash paper's shape for the target (`random_targets.random_drafter`).
 
     `verify_tokens` is the widest verify the caller will run (a block of `max_block` plus a prompt-lookup branch;
     default `max_block`). `dtype="auto"`: bfloat16 on CUDA; on a CPU that computes bf16 natively, the precision that
@@ -39,6 +40,7 @@ def load_models(
     from ..drafters import load_drafter
     from ..fileio import cache_dir
     from ..precision import measured_choice
+    from ..random_targets import random_drafter
     from ..runtime import inference_dtype
     from ..target import row_exact
     from ..targets import load_target
@@ -48,13 +50,14 @@ def load_models(
     hf_logging.disable_progress_bar()  # loading bars would interleave with the output; cache builds show their own
     try:
         chosen, reason = inference_dtype(dtype, device)
-        if dtype == "auto" and device.type == "cpu" and chosen != torch.float32:  # native bf16: measure which pays
+        native_bf16 = dtype == "auto" and device.type == "cpu" and chosen != torch.float32
+        if native_bf16 and drafter_dir is not None:  # measure which precision pays
             return measured_choice(target, drafter_dir, device, max_block, verify_tokens, cache_dir())
         model, tokenizer = load_target(target, dtype=chosen, device=device)
         exact = row_exact.install_if_needed(model, verify_tokens)
         if exact is not None:
             reason += "; block verification checked bit-exact" if exact else "; block verification NOT bit-exact here"
-        drafter = load_drafter(drafter_dir, model)
+        drafter = random_drafter(model) if drafter_dir is None else load_drafter(drafter_dir, model)
     finally:
         if bars:
             hf_logging.enable_progress_bar()
@@ -171,6 +174,15 @@ def add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
     add_fields(parser, CpuSettings)
 
 
+def drafter_dir_of(target: str, drafter: Path | None) -> Path | None:
+    """The drafter folder of `--target` / `--drafter` ([`resolve_drafter_dir`]); `None` for a random target without
+    `--drafter`, which [`load_models`] gives a random drafter."""
+    from ..drafters import resolve_drafter_dir
+    from ..random_targets import is_random_target
+
+    return None if drafter is None and is_random_target(target) else resolve_drafter_dir(target, drafter)
+
+
 def device_of(name: str | None) -> torch.device:
     """The device `--device name` asks for (`None`: cuda when available, else cpu); a `ValueError` naming the fix
     when it is no device, or one this machine lacks."""
@@ -216,7 +228,10 @@ class ModelSettings:
 
     target: str = field(
         default=DEFAULT_TARGET,
-        metadata={"help": f"Named target ({', '.join(TARGETS)}), model folder or Hub id (default: {DEFAULT_TARGET})."},
+        metadata={
+            "help": f"Named target ({target_names()}; random:* are public models' shapes with random weights, built on "
+            f"the device), model folder or Hub id (default: {DEFAULT_TARGET})."
+        },
     )
     drafter: Path | None = field(
         default=None, metadata={"help": "DFlash drafter folder (default: the drafter bundled for a named target)."}

@@ -18,9 +18,16 @@ import torch
 from .. import mkl_choice, runtime
 from ..bench.profile import DEFAULT_TOKEN_COUNTS, measure_costs, plot_profiles
 from ..bench.run import hardware_info
-from ..drafters import resolve_drafter_dir
 from ..fileio import atomic_write, atomic_write_text
-from . import add_cpu_arguments, add_model_arguments, comma_separated_ints, device_of, load_models, setup_cpu
+from . import (
+    add_cpu_arguments,
+    add_model_arguments,
+    comma_separated_ints,
+    device_of,
+    drafter_dir_of,
+    load_models,
+    setup_cpu,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -68,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out} exists and is not a folder: pass a folder path.")
     device = device_of(args.device)
     setup_cpu(args, device)
-    drafter_dir = resolve_drafter_dir(args.target, args.drafter)
+    drafter_dir = drafter_dir_of(args.target, args.drafter)
     profiles = []
     for dtype in dtypes:
         target, _, drafter, precision = load_models(args.target, drafter_dir, device, dtype, max(args.tokens))
@@ -95,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
             print(_cost_line("drafter matmuls alone", profile, "drafter_matmul_ms", "drafter_matmul_relative", "B={}"))
         print(_cost_line("drafter", profile, "drafter_ms", "drafter_relative", "B={}"))
     args.out.mkdir(parents=True, exist_ok=True)
-    document = {"hardware": hardware_info(device), "drafter": str(drafter_dir), "profiles": profiles}
+    drafter_name = "random" if drafter_dir is None else str(drafter_dir)
+    document = {"hardware": hardware_info(device), "drafter": drafter_name, "profiles": profiles}
     atomic_write_text(args.out / "profile.json", json.dumps(document, indent=1) + "\n")
     _write_plot(profiles, args.out / "profile.png")
     print(f"wrote {args.out / 'profile.json'}, {args.out / 'profile.png'}")

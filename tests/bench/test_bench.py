@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy
 import pytest
 import torch
 from testing_utils import make_drafter, make_llama, make_oracle, make_target, make_word_tokenizer, save_tiny_target
@@ -170,11 +171,23 @@ def test_tampered_output_is_reported(setup, capsys):
     summary = _method(result, "tampered").summary
     assert not summary.exact and summary.mismatched_prompts == [1]
     assert [r.matches_greedy for r in result.results["tampered"]] == [True, False]
+    # per prompt and summed: the tokens before the first difference, and where it is
+    assert [r.identical_tokens for r in result.results["tampered"]] == [MAX_NEW, 3]
+    assert [r.first_mismatch for r in result.results["tampered"]] == [None, 3]
+    assert (summary.identical_tokens, summary.reference_tokens, summary.first_mismatch) == (MAX_NEW + 3, 2 * MAX_NEW, 3)
+    greedy_summary = _method(result, "greedy").summary
+    assert (greedy_summary.identical_tokens, greedy_summary.first_mismatch) == (2 * MAX_NEW, None)
     assert "MISMATCH: tampered differs from greedy on prompt 1 ('p1') at new token 3" in capsys.readouterr().err
-    assert "**NO** (prompts 1)" in bench.markdown_table(result)
+    table = bench.markdown_table(result)
+    assert f"**NO**: {MAX_NEW + 3}/{2 * MAX_NEW} tokens as greedy, first differs at 3 (prompts 1)" in table
     document = result.to_json()
     assert document["exact"] is False and document["mismatches"] == [dataclasses.asdict(mismatch)]
+    assert document["exact_required"] is True and result.failed
     assert "Warning: 1 output(s) differ" in bench.render_markdown(document)
+    # reduced precision on a GPU: reported, not a warning
+    document["exact_required"] = False
+    section = bench.render_markdown(document)
+    assert "Warning" not in section and "1 output(s) differ from plain greedy decoding in float32 on cpu" in section
 
 
 def test_sampling_rows_compare_with_plain_sampling_in_speed_only(setup, tmp_path):
@@ -233,6 +246,7 @@ def test_outputs_json_schema_plots_and_readme_section(result, tmp_path):
         "settings",
         "hardware",
         "exact",
+        "exact_required",
         "mismatches",
         "methods",
         "prompts",
@@ -260,6 +274,10 @@ def test_outputs_json_schema_plots_and_readme_section(result, tmp_path):
         "mean_verify_width",
         "acceptance_rate_by_slot",
         "cycles",
+        "identical_tokens",
+        "reference_tokens",
+        "first_mismatch",
+        "predicted_speedup",
     }
     record_keys = {
         "prompt",
@@ -277,6 +295,7 @@ def test_outputs_json_schema_plots_and_readme_section(result, tmp_path):
         "verify_s",
         "prefill_s",
         "verify_widths",
+        "identical_tokens",
     }
     for method in document["methods"]:
         assert summary_keys <= set(method["summary"])
@@ -313,6 +332,39 @@ def test_outputs_json_schema_plots_and_readme_section(result, tmp_path):
     assert "with the bundled drafter `dflash_hf/bundled/dflash-x` (trained" in bench.render_markdown(document)
     document["settings"]["drafter"] = "/runs/my-drafter"
     assert "with the drafter `/runs/my-drafter` (trained" in bench.render_markdown(document)
+
+
+def test_predicted_speedup_is_the_cost_model_of_each_rows_cycles(result):
+    profile = result.cost_profile
+    verify, draft = profile["target_relative"], profile["drafter_relative"]
+
+    def at(curve, x):  # every width and block here lies within the measured sizes: straight between them
+        return float(numpy.interp(x, [int(k) for k in curve], list(curve.values())))
+
+    for name in ENGINE_BLOCKS:  # tau / mean(verify(width) + draft(block)) over the row's own cycles
+        summary = _method(result, name).summary
+        lengths = [n for r in result.results[name] for n in r.accepted_lengths]
+        widths = [w for r in result.results[name] for w in r.verify_widths]
+        blocks = [b for r in result.results[name] for b in r.block_sizes]
+        cost = sum(at(verify, w) + at(draft, b) for w, b in zip(widths, blocks))
+        assert summary.predicted_speedup == pytest.approx(sum(lengths) / cost)
+    # the native path records no widths: its block each cycle
+    native = _method(result, "native_dflash")
+    lengths = [n for r in result.results["native_dflash"] for n in r.accepted_lengths]
+    b = str(native.block_size)
+    assert native.summary.predicted_speedup == pytest.approx(sum(lengths) / (len(lengths) * (verify[b] + draft[b])))
+    # methods that draft nothing have no prediction; the table shows it beside the measured speedup
+    assert _method(result, "greedy").summary.predicted_speedup is None
+    assert _method(result, "prompt_lookup").summary.predicted_speedup is None
+    header = bench.markdown_table(result).splitlines()[0]
+    assert "| tau | tokens/s | speedup | predicted | draft ms/cycle |" in header
+    # between and beyond measured sizes, the cost curve is straight
+    assert bench.profile.predicted_speedup(
+        {"target_relative": {"1": 1.0, "4": 1.6}, "drafter_relative": {"2": 0.2, "4": 0.4}}, [3], [2], [3]
+    ) == pytest.approx(3 / (1.2 + 0.3))
+    assert bench.profile.predicted_speedup(
+        {"target_relative": {"1": 1.0, "4": 1.6}, "drafter_relative": {"2": 0.2, "4": 0.4}}, [1], [8], [1]
+    ) == pytest.approx(1 / (2.4 + 0.1))
 
 
 def test_engine_kernels_baseline_swaps_the_head_only_inside(setup):
@@ -636,7 +688,7 @@ def test_cli_mismatch_exit_status(folders, tmp_path, capsys, monkeypatch):
         (["--llama-cpp", "no-such-bin"], "--llama-cpp no-such-bin holds no llama-server"),
         (["--llama-cpp-p-min", "1"], "--llama-cpp-p-min must lie in [0, 1), got 1.0"),
         (["--compare-drafter", "a=x", "--compare-drafter", "a=y"], "--compare-drafter names must differ"),
-        (["--skip", "greedy"], "--skip takes prompt_lookup, native_dflash, greedy_engine_kernels (comma-separated)"),
+        (["--skip", "greedy"], "--skip takes prompt_lookup, native_dflash, greedy_engine_kernels, dflash (comma-separated)"),
         (["--compare-drafter", "a=no-such-folder"], "--compare-drafter a=no-such-folder: no DFlash drafter there"),
     ],
 )

@@ -1,0 +1,196 @@
+"""Targets of real shapes with random weights, built on the device: `random:qwen3-8b` and the other [`RANDOM_SHAPES`].
+
+Their configs are the public models' shapes (sizes, heads, vocabulary, RoPE, sliding windows), so a forward costs what
+the real model's costs, with nothing to download or carry: an 8B target is built on a GPU in about a second. The
+weights are random (seeded), so these targets measure speed, never quality: a drafter's acceptance on them means
+nothing, which is what `dflash-hf bench --oracle` is for.
+
+A random target has no tokenizer of its own. [`HashedTokenizer`] stands in: it splits text into GPT-2-style pieces
+(words with their leading space, numbers of up to three digits, runs of punctuation or spaces), about as many as a BPE
+tokenizer's tokens for English and code, and gives each piece a fixed id in the vocabulary (a CRC-32 of its bytes); no
+chat template. Prompts then have realistic lengths and ids; what they say does not matter to random weights.
+
+    >>> target, tokenizer = build_random_target("random:qwen3-8b", torch.bfloat16, "cuda")
+    >>> drafter = random_drafter(target)  # 5 layers, block 16: the DFlash paper's drafter shape
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizer
+
+from .modeling import DFlashConfig, DFlashDraftModel
+from .special_tokens import configure_generation
+
+RANDOM_PREFIX = "random:"
+RANDOM_DRAFTER_LAYERS = 5  # the DFlash paper's drafter
+RANDOM_DRAFTER_BLOCK = 16
+RANDOM_SEED = 0
+
+_QWEN3_8B = dict(
+    model_type="qwen3",
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    tie_word_embeddings=False,
+    bos_token_id=151643,
+    eos_token_id=151645,
+)
+
+RANDOM_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-8b": _QWEN3_8B,
+    "llama-3.1-8b": dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        tie_word_embeddings=False,
+        bos_token_id=128000,
+        eos_token_id=128009,
+    ),
+    "gemma-3-4b": dict(
+        model_type="gemma3_text",
+        hidden_size=2560,
+        intermediate_size=10240,
+        num_hidden_layers=34,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        vocab_size=262208,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        query_pre_attn_scalar=256,
+        sliding_window=1024,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        tie_word_embeddings=True,
+        bos_token_id=2,
+        eos_token_id=106,
+    ),
+    # Qwen3-8B's layout at a size the tests run in a blink
+    "tiny-qwen3": {
+        **_QWEN3_8B,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 512,
+        "bos_token_id": 510,
+        "eos_token_id": 511,
+    },
+}
+"""The shapes of the random targets, by the name after `random:` (the public models' `config.json` values)."""
+
+# GPT-2's pre-tokenizer pattern, with Python's `re` classes: contractions, words, 1-3 digits, punctuation, spaces
+_PIECES = re.compile(r"""'(?:[sdmt]|ll|ve|re)| ?[^\W\d_]+| ?\d{1,3}| ?[^\s\w]+|\s+(?!\S)|\s+""")
+
+
+def is_random_target(name: object) -> bool:
+    """Whether `name` names a random target (`random:<shape>`)."""
+    return isinstance(name, str) and name.startswith(RANDOM_PREFIX)
+
+
+def random_config(name: str):
+    """The Transformers config of the random target `name` (`random:<shape>`); a `ValueError` naming the shapes for
+    an unknown one."""
+    shape = RANDOM_SHAPES.get(name.removeprefix(RANDOM_PREFIX)) if is_random_target(name) else None
+    if shape is None:
+        known = ", ".join(RANDOM_PREFIX + key for key in RANDOM_SHAPES)
+        raise ValueError(f"Unknown random target {name!r}: choose one of {known}.")
+    values = dict(shape)
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+class HashedTokenizer(PreTrainedTokenizer):
+    """A random target's tokenizer: GPT-2-style pieces, each a fixed id (see the module docstring); the model's EOS
+    id is its one special token, also used for padding."""
+
+    model_input_names = ["input_ids", "attention_mask"]
+
+    def __init__(self, vocab_size: int, eos_token_id: int, **kwargs) -> None:
+        self._vocab_size, self._eos_id = int(vocab_size), int(eos_token_id)
+        super().__init__(eos_token="<eos>", pad_token="<eos>", **kwargs)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def get_vocab(self) -> dict[str, int]:
+        return {"<eos>": self._eos_id}
+
+    def _tokenize(self, text: str, **kwargs) -> list[str]:
+        return _PIECES.findall(text)
+
+    def _convert_token_to_id(self, token: str) -> int:
+        if token == "<eos>":
+            return self._eos_id
+        index = zlib.crc32(token.encode("utf-8")) % (self._vocab_size - 1)
+        return index + 1 if index >= self._eos_id else index  # never the EOS id
+
+    def _convert_id_to_token(self, index: int) -> str:
+        return "<eos>" if index == self._eos_id else f"<{index}>"
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        return "".join(tokens)
+
+
+def build_random_target(
+    name: str, dtype: torch.dtype, device: str | torch.device | None = None, seed: int = RANDOM_SEED
+) -> tuple[PreTrainedModel, HashedTokenizer]:
+    """The random target `name` (`random:<shape>`) built directly on `device` (default: CPU) in `dtype`, its weights
+    drawn from a generator seeded with `seed`, in eval mode with its generation config set; and its tokenizer."""
+    config = random_config(name)
+    device = torch.device(device or "cpu")
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.config.name_or_path = name
+    tokenizer = HashedTokenizer(config.vocab_size, config.eos_token_id)
+    model.eval()
+    configure_generation(model, tokenizer)
+    return model, tokenizer
+
+
+def random_drafter(
+    target: PreTrainedModel,
+    num_layers: int = RANDOM_DRAFTER_LAYERS,
+    block_size: int = RANDOM_DRAFTER_BLOCK,
+    seed: int = RANDOM_SEED,
+) -> DFlashDraftModel:
+    """An untrained DFlash drafter for `target` (every size from its config, `DFlashConfig.from_target`), built on
+    its device in its dtype with seeded random weights, in eval mode: a drafter forward of the real cost."""
+    config = DFlashConfig.from_target(target.config, num_hidden_layers=num_layers, block_size=block_size)
+    with torch.random.fork_rng(devices=[target.device] if target.device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        with torch.device(target.device):
+            drafter = DFlashDraftModel._from_config(config, dtype=target.dtype)
+    return drafter.eval()
