@@ -18,6 +18,7 @@ from transformers import modeling_gguf_pytorch_utils as gguf_reader
 
 from dflash_hf import fileio, targets
 from dflash_hf.fileio import cache_dir
+from dflash_hf.random_targets import random_config, random_drafter
 from dflash_hf.target_cache import MARKER_FILE, TargetSpec, cache_problem
 from dflash_hf.targets import load_target, resolve_target_dir
 
@@ -208,3 +209,42 @@ def test_bad_target_names(tmp_path):
         load_target(tmp_path)  # exists, but holds no model
     with pytest.raises(ValueError, match="Unknown target name"):
         resolve_target_dir("no-such-target")
+
+
+def test_random_targets_are_the_public_shapes_built_with_seeded_weights():
+    # the public models' sizes, counted on the meta device (nothing allocated)
+    expected = {"random:qwen3-8b": 8.19e9, "random:llama-3.1-8b": 8.03e9, "random:gemma-3-4b": 3.88e9}
+    for name, parameters in expected.items():
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(random_config(name))
+        assert sum(p.numel() for p in model.parameters()) == pytest.approx(parameters, rel=0.005)
+    assert random_config("random:gemma-3-4b").sliding_window == 1024
+    assert random_config("random:llama-3.1-8b").rope_parameters["rope_type"] == "llama3"
+
+    model, tokenizer = load_target("random:tiny-qwen3", dtype="float32")
+    again, _ = load_target("random:tiny-qwen3", dtype="float32")
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.name_or_path == "random:tiny-qwen3"
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    assert model.generation_config.eos_token_id == 511 and model.generation_config.pad_token_id == 511
+    # a stand-in tokenizer: about a BPE tokenizer's count of pieces, fixed ids, never the EOS id
+    text = "def add(a, b):\n    return a + b  # 2024"
+    pieces = ["def", " add", "(", "a", ",", " b", "):", "\n   ", " return", " a", " +", " b", " ", " #", " 202", "4"]
+    ids = tokenizer(text)["input_ids"]
+    assert tokenizer.tokenize(text) == pieces and len(ids) == len(pieces) and ids == tokenizer(text)["input_ids"]
+    assert all(0 <= i < 512 and i != 511 for i in ids) and tokenizer.eos_token_id == 511
+    assert tokenizer.decode([5, 511]) == "<5><eos>"
+
+    drafter = random_drafter(model)
+    assert (drafter.config.num_hidden_layers, drafter.config.block_size) == (5, 16)
+    assert drafter.config.hidden_size == 64 and drafter.dtype == model.dtype and not drafter.training
+
+
+def test_random_target_names_are_checked():
+    with pytest.raises(ValueError, match="Unknown random target 'random:nope': choose one of random:qwen3-8b"):
+        load_target("random:nope")
+    with pytest.raises(ValueError, match="is a random target: it is built by `load_target`"):
+        targets.load_target_shell("random:qwen3-8b")
+    with pytest.raises(ValueError, match="`rebuild` applies to the named targets' caches"):
+        load_target("random:tiny-qwen3", rebuild=True)
+    with pytest.raises(ValueError, match=r"neither a named or random target \(smollm2-135m, .*random:tiny-qwen3\)"):
+        load_target("no-such-target")
