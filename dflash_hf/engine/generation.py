@@ -35,6 +35,7 @@ from .checks import (
     check_request,
 )
 from .generation_call import GenerationCall
+from .oracle import OracleDrafts
 from .output import DFlashGenerateOutput
 
 __all__ = ["DFlashGenerateOutput", "custom_generate", "generate"]
@@ -53,6 +54,7 @@ def custom_generate(
     sampling_proposal: str = DEFAULT_SAMPLING_PROPOSAL,
     candidates: str = DEFAULT_CANDIDATES,
     lookup_tokens: int | None = None,
+    oracle: OracleDrafts | None = None,
     **model_kwargs,
 ) -> DFlashGenerateOutput | torch.LongTensor:
     """DFlash decoding as a Transformers `custom_generate` callable.
@@ -62,7 +64,7 @@ def custom_generate(
     the drafter's block size for this call, or be `"adaptive"` (see [`AdaptiveBlockSize`]) or a policy object.
     `sampling_proposal` (with `do_sample=True`): `"argmax"` drafts each slot's most likely token, `"sample"` samples
     each slot from the drafter's distribution; both keep the output distributed exactly as the target's.
-    `candidates`: `"dflash"`, `"dflash+lookup"` or `"tree"`, `lookup_tokens`: see [`generate`].
+    `candidates`: `"dflash"`, `"dflash+lookup"` or `"tree"`, `lookup_tokens`, `oracle`: see [`generate`].
 
     Stop strings: Transformers 5.23/5.24 drop the `tokenizer` argument before calling a `custom_generate` callable,
     so `target.generate(..., stop_strings=..., tokenizer=tok, custom_generate=...)` fails in Transformers itself;
@@ -97,6 +99,7 @@ def custom_generate(
         sampling_proposal=sampling_proposal,
         candidates=candidates,
         lookup_tokens=lookup_tokens,
+        oracle=oracle,
     )
     output = decoder.run()
     return output if generation_config.return_dict_in_generate else output.sequences
@@ -111,6 +114,7 @@ def generate(
     sampling_proposal: str = DEFAULT_SAMPLING_PROPOSAL,
     candidates: str = DEFAULT_CANDIDATES,
     lookup_tokens: int | None = None,
+    oracle: OracleDrafts | None = None,
     **kwargs,
 ) -> DFlashGenerateOutput | torch.LongTensor:
     """Lossless speculative generation with a DFlash drafter.
@@ -131,6 +135,9 @@ def generate(
     probability, calibrated by the acceptance observed in the call) is worth what one more verified token costs (timed
     in the call), at most 16 beyond the block; the longest accepted path is kept. `candidates="dflash"` verifies the
     DFlash block alone, as sampling (with any `candidates`) and prefix-dependent logits processors always do.
+    `oracle` ([`dflash_hf.engine.oracle.OracleDrafts`], greedy, `candidates` other than `"tree"`): the drafter runs as
+    always, but its drafts are replaced by each row's known greedy continuation, each slot kept with a probability
+    (the bench's oracle rows: the engine's cost at a chosen acceptance); the output is unchanged.
 
     Logits processors outside `dflash_hf.engine.processing.EXACT_PROCESSORS` (e.g. `guidance_scale`, custom
     `logits_processor` objects) and `inputs_embeds` are refused with a `ValueError`; `stop_strings` need the
@@ -161,5 +168,6 @@ def generate(
         sampling_proposal=sampling_proposal,
         candidates=candidates,
         lookup_tokens=lookup_tokens,
+        oracle=oracle,
         **kwargs,
     )

@@ -29,6 +29,7 @@ from .cache_ops import keep_path, select_rows, shift_cache_right, shift_right, t
 from .candidates import DEFAULT_CANDIDATES, CandidatePlan, DFlashChain, Verdict, candidate_source
 from .checks import check_drafter, check_options
 from .lookup import Lookups
+from .oracle import OracleDrafts, oracle_chain
 from .output import DFlashGenerateOutput
 from .processing import BlockLogitsProcessor
 from .rows import ActiveRows, mask_or_none
@@ -54,6 +55,7 @@ class GenerationCall:
         sampling_proposal: str = DEFAULT_SAMPLING_PROPOSAL,
         candidates: str = DEFAULT_CANDIDATES,
         lookup_tokens: int | None = None,
+        oracle: OracleDrafts | None = None,
     ) -> None:
         check_options(candidates, sampling_proposal, lookup_tokens)
         check_drafter(drafter)
@@ -83,7 +85,7 @@ class GenerationCall:
         self.verify_timer = Stopwatch(self.device)
         self.prefill_timer = Stopwatch(self.device)
         lookup_tokens = None if lookup_tokens is None else int(lookup_tokens)
-        self._set_up_cycles(generation_config, logits_processor, sampling_proposal, candidates, lookup_tokens)
+        self._set_up_cycles(generation_config, logits_processor, sampling_proposal, candidates, lookup_tokens, oracle)
 
     def _set_up_cycles(
         self,
@@ -92,8 +94,10 @@ class GenerationCall:
         sampling_proposal: str,
         candidates: str,
         lookup_tokens: int | None,
+        oracle: OracleDrafts | None,
     ) -> None:
-        """The call's token choice, candidate plan and source, and verifier."""
+        """The call's token choice, candidate plan and source (its drafts replayed from `oracle` when given), and
+        verifier."""
         do_sample = bool(generation_config.do_sample)
         process = BlockLogitsProcessor(logits_processor)
         draft_ids = getattr(self.drafter, "draft_token_ids", None)
@@ -111,6 +115,17 @@ class GenerationCall:
         tree_verify = not do_sample and (process.is_identity or process.prefix_free)
         self.plan = CandidatePlan(candidates, self.max_block, lookup_tokens, tree_verify)
         chain = DFlashChain(self.drafter, self.adapter, self.draft_cache, self.choice, self.draft_timer)
+        if oracle is not None:
+            chain = oracle_chain(
+                chain,
+                oracle,
+                prompt_mask=self.prompt_mask,
+                max_new_tokens=int(generation_config.max_length) - self.prompt_mask.shape[1],
+                eos_token_id=generation_config.eos_token_id,
+                do_sample=do_sample,
+                candidates=candidates,
+                vocab_size=self.adapter.vocab_size,
+            )
         self.source = candidate_source(
             self.plan, chain, Lookups(lookup_tokens, self.sequences.text, self.sequences.remaining)
         )
