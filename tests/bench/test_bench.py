@@ -404,6 +404,38 @@ def test_longer_lookup_branch_rows(setup):
     assert result.exact
 
 
+def test_oracle_rows_replay_plain_greedy_at_the_chosen_acceptance(setup, capsys):
+    """An oracle row's drafts are plain greedy's output on the same prompt, each slot kept with probability P: P = 1
+    accepts whole blocks, P = 0 nothing, and the output is greedy's either way; one stderr line per finished run."""
+    target, drafter, prompts = setup
+    greedy = bench.default_methods(target, drafter, block_sizes=[4], adaptive=False)[0]
+    oracles = bench.oracle_methods(target, drafter, [1.0, 0.0], block_sizes=[4, 8, 16])  # 16: above the drafter's
+    assert [m.name for m in oracles] == ["oracle_b4_p1", "oracle_b8_p1", "oracle_b4_p0", "oracle_b8_p0"]
+    assert oracles[0].label == "dflash-hf B=4, oracle P=1" and oracles[0].replays == "greedy"
+    assert oracles[1].description == (
+        'dflash_hf.generate(block_size=8, candidates="dflash", oracle=OracleDrafts(plain greedy\'s output, keep=1))'
+    )
+    result = bench.run_bench(
+        target, drafter, prompts, max_new_tokens=MAX_NEW, methods=[greedy, *oracles], warmup_tokens=2, progress=False
+    )
+    assert result.exact
+    for name, block in (("oracle_b4_p1", 4), ("oracle_b8_p1", 8)):
+        for record in result.results[name]:  # whole blocks, but for the last cycle (what is left of MAX_NEW)
+            assert record.accepted_lengths[:-1] == [block] * (len(record.accepted_lengths) - 1)
+    assert all(set(r.accepted_lengths) == {1} for r in result.results["oracle_b8_p0"])
+    assert (
+        _method(result, "oracle_b8_p1").summary.predicted_speedup
+        > _method(result, "oracle_b8_p0").summary.predicted_speedup
+    )
+    err = capsys.readouterr().err
+    assert "bench: warm-up done in " in err and "bench: cost profile done in " in err
+    assert "bench: prompt 2/2 oracle_b8_p0: " in err and err.count("bench: prompt ") == len(prompts) * 5
+    with pytest.raises(ValueError, match=r"Oracle probabilities must lie in \[0, 1\], got \[1.5\]"):
+        bench.oracle_methods(target, drafter, [1.5])
+    with pytest.raises(ValueError, match="replays 'greedy', which must come before it"):
+        bench.run_bench(target, drafter, prompts, max_new_tokens=2, methods=[oracles[0], greedy], progress=False)
+
+
 def test_bad_input_is_refused(setup, tmp_path):
     target, drafter, prompts = setup
     with pytest.raises(ValueError, match="trained block size 8"):
@@ -597,6 +629,33 @@ def test_cli_end_to_end(folders, tmp_path, capsys):
     assert "--temperatures 0.7 --sampling-block-size 4" in document["command"]
 
 
+def test_cli_oracle_rows_on_a_random_target(folders, tmp_path, capsys):
+    """`--target random:<shape>` builds the target and a random drafter; `--oracle` adds its rows, `--skip dflash`
+    leaves out the engine rows of the (untrained) drafter."""
+    out = tmp_path / "results"
+    argv = [
+        "bench", "--target", "random:tiny-qwen3", "--prompts", str(folders["prompts"]), "--num-prompts", "2",
+        "--max-new-tokens", "6", "--warmup-tokens", "1", "--threads", "1", "--block-sizes", "4", "--no-progress",
+        "--oracle", "1,0", "--skip", "dflash,prompt_lookup,native_dflash", "--out", str(out),
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    document = json.loads((out / bench.JSON_NAME).read_text())
+    assert document["settings"]["methods"] == ["greedy", "greedy_engine_kernels", "oracle_b4_p1", "oracle_b4_p0"]
+    assert document["settings"]["drafter"] == "random (5 layers, block 16)" and document["exact"]
+    assert document["settings"]["target_model_type"] == "qwen3" and document["settings"]["drafter_layers"] == 5
+    assert (
+        "--oracle 1.0,0.0" in document["command"] and "--skip dflash,prompt_lookup,native_dflash" in document["command"]
+    )
+    rows = {m["name"]: m["summary"] for m in document["methods"]}
+    assert rows["oracle_b4_p1"]["tau"] > rows["oracle_b4_p0"]["tau"] == 1 and rows["oracle_b4_p1"]["predicted_speedup"]
+    stdout, err = capsys.readouterr()
+    assert "| dflash-hf B=4, oracle P=1 |" in stdout
+    assert "bench: prompt 2/2 oracle_b4_p0: " in err  # a line per finished run, progress bars off
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench", "--oracle", "1.5"])
+    assert "expected comma-separated probabilities in [0, 1]" in capsys.readouterr().err
+
+
 def test_cli_compares_drafters_in_one_run(folders, tmp_path, capsys):
     out = tmp_path / "results"
     args = _bench_args(folders, out, "--compare-drafter", f"again={folders['drafter']}", "--no-draft-tree")
@@ -688,7 +747,10 @@ def test_cli_mismatch_exit_status(folders, tmp_path, capsys, monkeypatch):
         (["--llama-cpp", "no-such-bin"], "--llama-cpp no-such-bin holds no llama-server"),
         (["--llama-cpp-p-min", "1"], "--llama-cpp-p-min must lie in [0, 1), got 1.0"),
         (["--compare-drafter", "a=x", "--compare-drafter", "a=y"], "--compare-drafter names must differ"),
-        (["--skip", "greedy"], "--skip takes prompt_lookup, native_dflash, greedy_engine_kernels, dflash (comma-separated)"),
+        (
+            ["--skip", "greedy"],
+            "--skip takes prompt_lookup, native_dflash, greedy_engine_kernels, dflash (comma-separated)",
+        ),
         (["--compare-drafter", "a=no-such-folder"], "--compare-drafter a=no-such-folder: no DFlash drafter there"),
     ],
 )
