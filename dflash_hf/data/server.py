@@ -12,8 +12,9 @@ Before any row is made, [`ServerResponder.check`] compares the served model with
 once (`concurrency`, all along a run: the next prompts go out while the first answers are written); the answers
 keep their order. A response that stops short of `max_new_tokens` without one of the target's EOS ids (the server's
 context was full, or it ended on a token the target does not end on) is refused: plain greedy decoding would have
-gone on. Each request waits at most `timeout_s` for its answer; the requests run on daemon threads, so Ctrl-C (or a
-failed request) returns at once instead of waiting for the others in flight.
+gone on. Each answer must come whole within `timeout_s`; one far larger than `max_new_tokens` tokens can need is
+refused, and so is a redirect (never followed: these servers never redirect). The requests run on daemon threads, so
+Ctrl-C (or a failed request) returns at once instead of waiting for the others in flight.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import json
 import queue
 import ssl
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -40,6 +42,20 @@ TOKENIZATION_PROBE = (
 API_CHOICES = ("auto", "llama.cpp", "openai")
 REQUEST_TIMEOUT_S = 600.0
 MAX_TIMEOUT_S = 86_400.0
+# the longest answer: its fixed part (settings, timings, a list of models, a probe's tokens) and, per generated token,
+# far more than its id and text take
+ANSWER_BYTES = 1 << 20
+ANSWER_BYTES_PER_TOKEN = 4096
+
+
+class _Unredirected(urllib.request.HTTPRedirectHandler):
+    """Follows no redirect: urllib then raises an `HTTPError` of the redirect's status."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl) -> None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_Unredirected)
 
 
 class ServerError(ValueError):
@@ -58,8 +74,8 @@ class ServerResponder:
         concurrency: Requests in flight at once (at least the server's slots, for batched decoding).
         api: `auto` (llama.cpp when `GET /props` answers, else OpenAI), `llama.cpp` or `openai`.
         model: The model name sent to an OpenAI-compatible server (default: the first of `GET /v1/models`).
-        timeout_s: Longest wait for one answer (a whole response: keep `concurrency` near the server's slots, or
-            queued requests wait for the others).
+        timeout_s: Longest wait for one whole answer, from sending the request to its last byte (keep
+            `concurrency` near the server's slots, or queued requests wait for the others).
     """
 
     def __init__(
@@ -110,6 +126,37 @@ class ServerResponder:
 
     # ------------------------------------------------------------------ HTTP
     def _request(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        """The JSON answer to `GET path` (or `POST path` of `body`), whole within `timeout_s` (a server that trickles
+        its answer is cut off too); a `ServerError` naming the problem and the fix. The exchange runs on a daemon
+        thread, abandoned at the deadline."""
+        deadline = time.monotonic() + self.timeout_s
+        outcome: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+
+        def exchange() -> None:
+            try:
+                outcome.put((True, self._exchange(path, body, deadline)))
+            except BaseException as err:  # noqa: BLE001 (handed to the waiting thread)
+                outcome.put((False, err))
+
+        threading.Thread(target=exchange, name="dflash-hf-server-exchange", daemon=True).start()
+        while (left := deadline - time.monotonic()) > 0:
+            try:  # short waits: a Ctrl-C is taken at once, however the platform wakes blocked waits
+                answered, answer = outcome.get(timeout=min(left, 0.1))
+            except queue.Empty:
+                continue
+            if not answered:
+                raise answer
+            return answer
+        raise self._stalled(path)
+
+    def _stalled(self, path: str) -> ServerError:
+        return ServerError(
+            f"{self.url}{path} gave no answer within {self.timeout_s:g} s: the server is stalled or overloaded; "
+            "restart it, or lower --concurrency to its slots (or --max-new-tokens), or raise --server-timeout."
+        )
+
+    def _exchange(self, path: str, body: dict[str, Any] | None, deadline: float) -> Any:
+        """[`_request`]'s exchange; redirects are refused, never followed."""
         data = None if body is None else json.dumps(body).encode("utf-8")
         request = urllib.request.Request(
             self.url + path,
@@ -118,19 +165,22 @@ class ServerResponder:
             method="GET" if body is None else "POST",
         )
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                return json.loads(response.read().decode("utf-8"))
+            with _OPENER.open(request, timeout=self.timeout_s) as response:
+                return json.loads(self._read(response, path, deadline).decode("utf-8"))
         except urllib.error.HTTPError as err:
-            detail = err.read().decode("utf-8", "replace")[:300]
+            if 300 <= err.code < 400:
+                raise ServerError(
+                    f"{self.url}{path} answered HTTP {err.code}, a redirect to {err.headers.get('Location')!r}: "
+                    "llama-server, vLLM and SGLang never redirect, so it is not followed; point --server at the "
+                    "inference server itself."
+                ) from err
+            detail = err.read(300).decode("utf-8", "replace")
             hint = " (pass the server's base URL, without /v1)" if err.code == 404 and self.url.endswith("/v1") else ""
             raise ServerError(f"{self.url}{path} answered HTTP {err.code}: {detail}{hint}") from err
         except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
             reason = err.reason if isinstance(err, urllib.error.URLError) else err
             if isinstance(reason, TimeoutError):
-                raise ServerError(
-                    f"{self.url}{path} gave no answer within {self.timeout_s:g} s: the server is stalled or "
-                    "overloaded; restart it, or lower --concurrency to its slots (or --max-new-tokens)."
-                ) from err
+                raise self._stalled(path) from err
             if isinstance(reason, ssl.SSLError):
                 raise ServerError(
                     f"TLS with {self.url} failed ({reason}): for a plain HTTP server use an http:// URL."
@@ -143,6 +193,26 @@ class ServerResponder:
             raise ServerError(f"Cannot reach the server at {self.url} ({err}): start it or fix --server.") from err
         except (ValueError, RecursionError) as err:
             raise ServerError(f"{self.url}{path} did not answer JSON ({err}).") from err
+
+    def _read(self, response: http.client.HTTPResponse, path: str, deadline: float) -> bytes:
+        """The body of `response`, read as it comes until `deadline`; a `ServerError` once it is longer than any
+        answer for `max_new_tokens` tokens can be (`ANSWER_BYTES` + `ANSWER_BYTES_PER_TOKEN` per token)."""
+        limit = ANSWER_BYTES + ANSWER_BYTES_PER_TOKEN * self.max_new_tokens
+        chunks, size = [], 0
+        while chunk := response.read1(1 << 16):
+            size += len(chunk)
+            if size > limit:
+                raise ServerError(
+                    f"{self.url}{path} sent an answer of more than {limit} bytes, far beyond what "
+                    f"{self.max_new_tokens} new tokens need: --server is not a llama-server or OpenAI-compatible "
+                    "server; fix it."
+                )
+            if time.monotonic() > deadline:  # the caller gave up: end the exchange
+                raise self._stalled(path)
+            chunks.append(chunk)
+        if response.length:  # the connection closed before the announced length
+            raise http.client.IncompleteRead(b"".join(chunks), response.length)
+        return b"".join(chunks)
 
     def _probe_api(self) -> str:
         if self.api != "auto":

@@ -181,8 +181,9 @@ def test_cli_make_data_through_a_server_loads_no_weights(target, tmp_path, capsy
 class _Scripted:
     """A loopback server answering as llama-server (`/props`, `/v1/models`, `/tokenize`, `/completion`) with the
     target's tokenizer, where `answers[(method, path)](body)` overrides an answer: `(status, JSON or bytes)`,
-    `"broken"` (a body cut short, then the connection closed), `"not http"` (no HTTP status line) or `("sleep", s)`
-    (no answer for `s` seconds)."""
+    `"broken"` (a body cut short, then the connection closed), `"not http"` (no HTTP status line), `("sleep", s)`
+    (no answer for `s` seconds), `("redirect", status, location)` or `("trickle", s)` (a long body, a byte every `s`
+    seconds)."""
 
     def __init__(self, tokenizer, answers=None):
         import http.server
@@ -214,6 +215,23 @@ class _Scripted:
                     import time
 
                     time.sleep(answer[1])
+                    return
+                if isinstance(answer, tuple) and answer[0] == "redirect":
+                    self.send_response(answer[1])
+                    self.send_header("Location", answer[2])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                if isinstance(answer, tuple) and answer[0] == "trickle":
+                    import time
+
+                    self.send_response(200)
+                    self.send_header("Content-Length", "1000")
+                    self.end_headers()
+                    for _ in range(1000):
+                        self.wfile.write(b" ")
+                        self.wfile.flush()
+                        time.sleep(answer[1])
                     return
                 if answer == "not http":
                     self.wfile.write(b"NOT HTTP\r\n\r\n")
@@ -333,6 +351,52 @@ def test_a_stalled_server_fails_after_timeout_s_and_a_failed_request_does_not_wa
         with pytest.raises(ServerError, match="HTTP 500"):
             responder([[1], [2]])  # the first prompt's request is still in flight
         assert time.monotonic() - started < 3
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+@pytest.mark.parametrize(
+    ("method", "path"), [("POST", "/completion"), ("GET", "/v1/models"), ("POST", "/tokenize")]
+)
+def test_a_redirect_is_refused_never_followed(status, method, path):
+    """A redirect to another host is a server error: the other host's answers (to a request without the prompt,
+    after a 302/303) never become rows."""
+    tok = make_tokenizer()
+    elsewhere_answers = {
+        (verb, route): lambda body: (200, {"tokens": [5, 6, 2], "data": [{"id": "m"}]})
+        for verb in ("GET", "POST")
+        for route in ("/completion", "/v1/models", "/tokenize")
+    }
+    with _Scripted(tok, elsewhere_answers) as elsewhere:
+        redirect = {(method, path): lambda body: ("redirect", status, elsewhere.url + path)}
+        with _Scripted(tok, redirect) as server:
+            responder = _responder(server.url, tok, api="llama.cpp")
+            with pytest.raises(ServerError, match=rf"{path} answered HTTP {status}, a redirect to .*--server"):
+                responder.check()
+                responder([[1, 7, 8, 9]])
+    assert elsewhere.bodies == []  # nothing was asked of the other host
+
+
+def test_an_answer_trickled_past_timeout_s_fails_at_the_deadline():
+    import time
+
+    tok = make_tokenizer()
+    with _Scripted(tok, _completion(("trickle", 0.05))) as server:
+        responder = _responder(server.url, tok, api="llama.cpp", timeout_s=0.5)
+        started = time.monotonic()
+        with pytest.raises(ServerError, match=r"/completion gave no answer within 0.5 s"):
+            responder([[1]])
+        assert time.monotonic() - started < 1.5  # not the 50 s the whole trickle takes
+
+
+def test_an_answer_far_larger_than_max_new_tokens_needs_is_refused():
+    from dflash_hf.data.server import ANSWER_BYTES, ANSWER_BYTES_PER_TOKEN
+
+    tok = make_tokenizer()
+    limit = ANSWER_BYTES + ANSWER_BYTES_PER_TOKEN * KWARGS["max_new_tokens"]
+    huge = (200, {"tokens": [5, 2], "content": "x" * limit})
+    with _Scripted(tok, _completion(huge)) as server:
+        with pytest.raises(ServerError, match=rf"an answer of more than {limit} bytes, far beyond what 10 new tokens"):
+            _responder(server.url, tok, api="llama.cpp")([[1]])
 
 
 def test_ctrl_c_returns_at_once_while_requests_are_in_flight():
