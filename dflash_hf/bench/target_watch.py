@@ -2,52 +2,27 @@
 
 Transformers' own decoding methods report no statistics of their own; the bench counts, times and locates the
 target's forwards (and times the drafter) with forward hooks, and reads the tokens each forward committed from where
-the next one starts in the KV cache. On a GPU the hooks record CUDA events, which do not wait for the device: the
-times are read once, after the call, so watching a call does not stall it once per token.
+the next one starts in the KV cache. The forwards are timed with the package's stopwatches (`runtime.Stopwatch`),
+read once the call is done.
 """
 
 from __future__ import annotations
 
-import time
-
-import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from ..runtime import Stopwatch
 from ..transformers_compat import cache_of_call
-
-
-class Marks:
-    """Points in time of the work queued on a device, read after the work: CUDA events on a GPU (recording one does
-    not wait for the device), the wall clock elsewhere."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.events = device.type == "cuda"
-
-    def now(self) -> torch.cuda.Event | float:
-        """A mark at this point of the device's queue."""
-        if not self.events:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, start: torch.cuda.Event | float, end: torch.cuda.Event | float) -> float:
-        """Seconds between two marks (waits for `end` to be reached on a GPU)."""
-        if not self.events:
-            return end - start
-        end.synchronize()
-        return start.elapsed_time(end) / 1000.0
 
 
 class TargetWatch:
     """Module hooks that count, time and locate the target's forwards (and time the drafter) during one call."""
 
     def __init__(self, target: PreTrainedModel, drafter: nn.Module | None = None) -> None:
-        self.marks = Marks(target.device)
+        self.device = target.device
         self.cache_lengths: list[int] = []  # tokens in the target's KV cache when each decoder forward starts
-        self._target_spans: list[tuple] = []  # (start, end) marks of each full target forward (decoder + LM head)
-        self._draft_spans: list[tuple] = []
+        self._forwards: list[Stopwatch] = []  # one per full target forward (decoder + LM head)
+        self._drafts = Stopwatch(self.device)
         self._depth = 0
         self._handles = [
             target.get_decoder().register_forward_pre_hook(self._on_decoder, with_kwargs=True),
@@ -74,29 +49,29 @@ class TargetWatch:
 
     def _enter_target(self, _module, _args) -> None:
         self._depth += 1
-        self._target_start = self.marks.now()
+        self._forwards.append(Stopwatch(self.device).__enter__())
 
     def _leave_target(self, _module, _args, _output) -> None:
         self._depth -= 1
-        self._target_spans.append((self._target_start, self.marks.now()))
+        self._forwards[-1].__exit__(None, None, None)
 
     def _start_draft(self, _module, _args) -> None:
         if self._depth == 0:  # the LM head inside the target's own forward is verification, not drafting
-            self._draft_start = self.marks.now()
+            self._drafts.__enter__()
 
     def _stop_draft(self, _module, _args, _output) -> None:
         if self._depth == 0:
-            self._draft_spans.append((self._draft_start, self.marks.now()))
+            self._drafts.__exit__(None, None, None)
 
     @property
     def target_seconds(self) -> list[float]:
-        """Wall time of each full target forward (decoder + LM head), in order."""
-        return [self.marks.seconds(start, end) for start, end in self._target_spans]
+        """Time of each full target forward (decoder + LM head), in order."""
+        return [forward.total for forward in self._forwards]
 
     @property
     def draft_seconds(self) -> float:
-        """Wall time of the drafter's forwards and of the LM head outside the target's forward, summed."""
-        return sum(self.marks.seconds(start, end) for start, end in self._draft_spans)
+        """Time of the drafter's forwards and of the LM head outside the target's forward, summed."""
+        return self._drafts.total
 
     def close(self) -> None:
         """Remove every hook."""

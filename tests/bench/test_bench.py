@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import numpy
 import pytest
@@ -365,6 +366,36 @@ def test_predicted_speedup_is_the_cost_model_of_each_rows_cycles(result):
     assert bench.profile.predicted_speedup(
         {"target_relative": {"1": 1.0, "4": 1.6}, "drafter_relative": {"2": 0.2, "4": 0.4}}, [1], [8], [1]
     ) == pytest.approx(1 / (2.4 + 0.1))
+
+
+def test_hardware_records_the_gpu_and_cuda_versions(monkeypatch):
+    """On a CUDA device: the GPU's name, capability and memory, the CUDA and cuDNN versions (torch's calls stubbed,
+    so this runs anywhere); on CPU `gpu` is None; the report's hardware line names CUDA."""
+    h200 = SimpleNamespace(name="NVIDIA H200", major=9, minor=0, total_memory=150_000_000_000)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: h200)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91000)
+    info = bench.run._gpu_info(torch.device("cuda:0"))
+    assert info == {
+        "gpu": "NVIDIA H200",
+        "gpu_capability": "9.0",
+        "gpu_memory_gib": 139.7,
+        "cuda": "13.0",
+        "cudnn": 91000,
+    }
+    hardware = {**bench.hardware_info(torch.device("cpu")), **info, "device": "cuda:0"}
+    line = bench.report.hardware_line(hardware)
+    assert ", GPU NVIDIA H200, device cuda:0); torch " in line and ", CUDA 13.0, transformers " in line
+    assert bench.hardware_info(torch.device("cpu"))["gpu"] is None
+
+
+def test_exactness_is_required_in_float32_and_on_cpu(setup):
+    target = setup[0]
+    assert bench.exactness_required(target)  # float32 on CPU
+    bf16 = SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert bench.exactness_required(bf16)  # row-exact verification on CPU
+    assert not bench.exactness_required(SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda:0")))
+    assert bench.exactness_required(SimpleNamespace(dtype=torch.float32, device=torch.device("cuda:0")))
 
 
 def test_engine_kernels_baseline_swaps_the_head_only_inside(setup):
