@@ -789,3 +789,15 @@ def test_cli_bad_input(folders, tmp_path, capsys, extra, message):
     assert cli.main(_bench_args(folders, tmp_path / "out", *extra)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+
+
+def test_profile_command_on_a_random_target(tmp_path, capsys):
+    """`profile --target random:<shape>` times the built target and its random drafter (no folder to read)."""
+    out = tmp_path / "profile"
+    argv = ["profile", "--target", "random:tiny-qwen3", "--dtypes", "float32", "--tokens", "1,2,4"]
+    assert cli.main([*argv, "--context", "8", "--repeats", "1", "--threads", "1", "--out", str(out)]) == 0
+    document = json.loads((out / "profile.json").read_text())
+    assert document["drafter"] == "random" and document["hardware"]["gpu"] is None
+    [profile] = document["profiles"]
+    assert set(profile["target_ms"]) == {"1", "2", "4"} and set(profile["drafter_ms"]) == {"2", "4"}
+    assert "float32 (as requested):" in capsys.readouterr().out
