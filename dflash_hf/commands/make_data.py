@@ -76,7 +76,19 @@ class MakeDataSettings:
         default=16, metadata={"help": "Requests in flight with --server (default 16; match the server's slots)."}
     )
     server_timeout: float = field(
-        default=600.0, metadata={"help": "Longest wait in seconds for one answer of the server (default: 600)."}
+        default=600.0,
+        metadata={
+            "help": "Longest wait in seconds for one whole answer of the server, to its last byte (default: 600)."
+        },
+    )
+    server_verify: int = field(
+        default=0,
+        metadata={
+            "metavar": "N",
+            "help": "With --server: load the target's weights here too (--device, --dtype) and, before the dataset is "
+            "published, recompute N random rows with it: every served response token must be its greedy choice (or "
+            "a near tie); else an error (default: 0, the served answers are trusted).",
+        },
     )
     target_layer_ids: list[int] | None = field_of(TapSettings, "target_layer_ids")
     num_target_features: int = field_of(TapSettings, "num_target_features")
@@ -116,9 +128,18 @@ def run(args: argparse.Namespace) -> int:
     check_output_folder(settings.out)  # before the (slow) target load
     if settings.concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {settings.concurrency}.")
+    if settings.server_verify < 0:
+        raise ValueError(f"--server-verify must be >= 0 (rows to recompute), got {settings.server_verify}.")
+    if settings.server_verify and settings.server is None:  # before the (slow) target load
+        raise ValueError("--server-verify recomputes rows made through --server: pass --server URL, or drop it.")
     server = None
-    if settings.server is not None:
+    if settings.server is not None and not settings.server_verify:
         target, tokenizer = load_target_shell(settings.target, progress=not settings.quiet)
+    else:
+        target, tokenizer = load_target(
+            settings.target, dtype=settings.dtype, device=device_of(settings.device), progress=not settings.quiet
+        )
+    if settings.server is not None:
         vocab_size = target.config.get_text_config().vocab_size
         server = ServerResponder(
             settings.server,
@@ -130,10 +151,6 @@ def run(args: argparse.Namespace) -> int:
             settings.server_api,
             settings.server_model,
             timeout_s=settings.server_timeout,
-        )
-    else:
-        target, tokenizer = load_target(
-            settings.target, dtype=settings.dtype, device=device_of(settings.device), progress=not settings.quiet
         )
     manifest = make_data(
         target,
@@ -155,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
         target_layer_ids=target_layer_ids_of(settings, target) if settings.features_out else None,
         final_hidden=settings.final_hidden,
         server=server,
+        server_verify=settings.server_verify,
         progress=not settings.quiet,
     )
     if not manifest["counts"]["samples"]:

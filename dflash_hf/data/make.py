@@ -42,6 +42,7 @@ from .parts import next_part_number, part_path, write_part
 from .pending import Chunk, encoded_prompts, nonempty, planned_chunks
 from .prompts import DEFAULT_SOURCE, PROMPT_ORDERS, Prompt, load_prompts, ordered
 from .server import ServerResponder
+from .spot_check import check_weights, spot_check
 
 # the make-data folder's readers are imported from here too
 __all__ = [
@@ -129,6 +130,7 @@ def make_data(
     target_layer_ids: list[int] | None = None,
     final_hidden: bool = True,
     server: ServerResponder | None = None,
+    server_verify: int = 0,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Regenerate responses with `target` for the train prompts of `source` into `out_dir`; returns this run's manifest
@@ -143,10 +145,15 @@ def make_data(
     the tapped features of `target_layer_ids` (and with `final_hidden` the final hidden states) of every row are
     stored there as the rows are made (`dflash_hf.data.capture`), in the format of `dflash-hf cache-features`. With a
     `server` ([`server.ServerResponder`]) the responses come from a running inference server serving the target
-    (checked against it first); `target` then only describes it ([`targets.load_target_shell`])."""
+    (checked against it first); `target` then only describes it ([`targets.load_target_shell`]), unless
+    `server_verify` > 0: then, before the dataset is published, `target` (with its weights) recomputes that many random
+    rows of the folder ([`spot_check.spot_check`]), and a served row that is not its greedy answer is a `ValueError`."""
     _check_arguments(responses, max_new_tokens, batch_size, max_samples, prompt_order, features_dir, target_layer_ids)
     vocab_size = target.config.get_text_config().vocab_size
-    served = _check_server(server, responses, features_dir, max_new_tokens, vocab_size)  # before anything is written
+    # before anything is written: the server and the layers to tap
+    served = _check_server(server, server_verify, target, responses, features_dir, max_new_tokens, vocab_size)
+    max_length = max_prompt_tokens + max_new_tokens
+    recorder = _recorder(target, features_dir, target_layer_ids, max_length, final_hidden, target_name)
     if use_chat_template is None:
         use_chat_template = bool(getattr(tokenizer, "chat_template", None))
     check_output_folder(out_dir)
@@ -168,14 +175,15 @@ def make_data(
     if not done and (encoded := nonempty(encoded)) is None:  # no row to make: nothing is written
         return manifest_of(settings, run, counts, _run_counts(0, skipped, responses), [], held, seconds=0.0)
     start_parts(out, settings)
-    recorder = _recorder(
-        target, features_dir, target_layer_ids, max_prompt_tokens + max_new_tokens, final_hidden, target_name, done
-    )
+    if recorder is not None:
+        recorder.start(done)
     started = time.time()
     respond = _responder(target, tokenizer, responses, max_new_tokens, recorder, server)
     goal = len(train) if max_samples is None else min(max_samples, len(train))
     generated = _write_parts(respond, out / "parts", encoded, done, goal, batch_size, progress, recorder)
     run_counts = _run_counts(generated, skipped, responses)
+    if server_verify:
+        run["server"]["verified_rows"] = spot_check(target, done, server_verify, str(out))
     manifest = manifest_of(settings, run, counts, run_counts, done, held, seconds=time.time() - started)
     publish(out, done, held, manifest, generated)
     return manifest
@@ -207,15 +215,23 @@ def _check_arguments(
 
 def _check_server(
     server: ServerResponder | None,
+    server_verify: int,
+    target: PreTrainedModel,
     responses: str,
     features_dir: str | os.PathLike | None,
     max_new_tokens: int,
     vocab_size: int,
 ) -> dict[str, Any]:
     """The run settings of `server` (none without one): what [`ServerResponder.check_run`] found of it, once it can
-    serve this run, and its concurrency."""
+    serve this run, and its concurrency; a `ValueError` for a spot check (`server_verify` rows) it cannot run."""
+    if isinstance(server_verify, bool) or not isinstance(server_verify, int) or server_verify < 0:
+        raise ValueError(f"server_verify must be an int >= 0 (rows to recompute), got {server_verify!r}.")
+    if server_verify and server is None:
+        raise ValueError("server_verify recomputes served rows: pass a server (--server URL) or drop it.")
     if server is None:
         return {}
+    if server_verify:
+        check_weights(target)
     if responses != "regenerate" or features_dir is not None:
         raise ValueError(
             "A server regenerates responses only: drop --responses source and --features-out with --server."
@@ -238,12 +254,12 @@ def _recorder(
     max_length: int,
     final_hidden: bool,
     target_name: str | None,
-    done: list[dict],
 ) -> FeatureRecorder | None:
-    """The recorder of the features of the rows made (`None` without a `features_dir`), opened on the rows `done`."""
+    """The recorder of the features of the rows made (`None` without a `features_dir`), not yet started: building it
+    checks the layers to tap, and writes nothing."""
     if features_dir is None:
         return None
-    recorder = FeatureRecorder(
+    return FeatureRecorder(
         target,
         features_dir,
         target_layer_ids,
@@ -251,8 +267,6 @@ def _recorder(
         final_hidden=final_hidden,
         target_name=target_name,
     )
-    recorder.start(done)
-    return recorder
 
 
 def _responder(

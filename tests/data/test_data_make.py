@@ -394,6 +394,14 @@ def test_make_data_captures_features_while_it_makes_rows(target, tmp_path, monke
         )
 
 
+def test_features_out_with_layers_the_target_lacks_writes_nothing(target, tmp_path):
+    tok = make_tokenizer()
+    src = write_prompts(tmp_path / "p.jsonl")
+    with pytest.raises(ValueError, match=r"target_layer_ids \[1, 99\] is out of range"):
+        run_make_data(target, tok, tmp_path / "d", source=src, features_dir=tmp_path / "f", target_layer_ids=[1, 99])
+    assert not (tmp_path / "d").exists() and not (tmp_path / "f").exists()
+
+
 def test_features_out_on_a_folder_made_without_them_is_refused(target, tmp_path):
     tok = make_tokenizer()
     src = write_prompts(tmp_path / "p.jsonl")

@@ -16,7 +16,7 @@ from testing_utils import (
     save_tiny_target,
     write_prompts,
 )
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_hf.cli import main as cli_main
 from dflash_hf.data.make import load_training_data, make_data
@@ -173,6 +173,83 @@ def test_cli_make_data_through_a_server_loads_no_weights(target, tmp_path, capsy
         assert cli_main(argv) == 0
     counts = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert counts["samples"] == 3 and counts["generated_this_run"] == 3
+
+
+# ------------------------------------------------------------------ spot check of the served rows (server_verify)
+
+
+class _Lying(StandInServer):
+    """A stand-in server whose greedy answers `lie(answers so far, honest answer)` turns into others."""
+
+    def __init__(self, target, tokenizer, lie):
+        super().__init__(target, tokenizer)
+        self.lie, self.answers = lie, []
+
+    def complete(self, prompt, limit):
+        answer = super().complete(prompt, limit)
+        honest = answer["tokens"]
+        answer["tokens"] = self.lie(self.answers, honest)
+        self.answers.append(honest)
+        return answer
+
+
+def test_a_spot_check_passes_the_target_s_own_answers(target, tmp_path):
+    tok = make_tokenizer()
+    src = str(write_prompts(tmp_path / "p.jsonl"))
+    with StandInServer(target, tok) as server:
+        responder = _responder(server.url, tok)
+        manifest = make_data(target, tok, tmp_path / "out", source=src, server=responder, server_verify=99, **KWARGS)
+    assert manifest["settings"]["server"]["verified_rows"] == len(PROMPTS)  # every row: no more than there are
+    assert len(load_training_data(tmp_path / "out")) == len(PROMPTS)
+
+
+@pytest.mark.parametrize(
+    "lie",
+    [
+        lambda before, honest: [7, 7, 7, 2],
+        lambda before, honest: honest[:1] + [2],
+        lambda before, honest: honest if len(before) < 3 else [9, 9, 2],
+        lambda before, honest: before[-1] if before else honest,
+    ],
+    ids=["other ids", "a made-up end of turn", "drift after a few honest answers", "the previous request's answer"],
+)
+def test_a_spot_check_refuses_answers_that_are_not_the_target_s(target, tmp_path, lie):
+    tok = make_tokenizer()
+    src = str(write_prompts(tmp_path / "p.jsonl"))
+    with _Lying(target, tok, lie) as server:
+        responder = _responder(server.url, tok, concurrency=1)
+        with pytest.raises(ValueError, match=r"The served response of row '.*' in .* is not the target's: its token"):
+            make_data(target, tok, tmp_path / "out", source=src, server=responder, server_verify=99, **KWARGS)
+    assert not (tmp_path / "out" / "dataset").exists() and not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_a_spot_check_it_cannot_run_is_refused_before_anything_is_written(target, tmp_path):
+    tok = make_tokenizer()
+    src = str(write_prompts(tmp_path / "p.jsonl"))
+    shell = type(target)(target.config).to("meta")
+    cases = [
+        (target, None, 2, "pass a server"),
+        (target, _responder("http://127.0.0.1:9", tok), -1, "server_verify must be an int >= 0"),
+        (shell, _responder("http://127.0.0.1:9", tok), 2, "this target has none"),
+    ]
+    for model, server, count, message in cases:
+        with pytest.raises(ValueError, match=message):
+            make_data(model, tok, tmp_path / "out", source=src, server=server, server_verify=count, **KWARGS)
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_server_verify_loads_the_weights_and_fails_with_one_error_line(tmp_path, capsys):
+    folder = save_tiny_target(tmp_path / "target")
+    src = write_prompts(tmp_path / "p.jsonl", prompts=["the cat sat", "a dog ran far", "code def return print"])
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    argv = ["make-data", "--target", str(folder), "--prompts", str(src), "--out", str(tmp_path / "out")]
+    argv += ["--max-new-tokens", "6", "--held-out-fraction", "0", "--quiet", "--server-verify", "3"]
+    assert cli_main(argv) == 2
+    assert "error: --server-verify recomputes rows made through --server" in capsys.readouterr().err
+    with _Lying(model, AutoTokenizer.from_pretrained(folder), lambda before, honest: [4, 4, 4, 4, 4, 4]) as server:
+        assert cli_main([*argv, "--server", server.url]) == 2
+    assert "error: The served response of row" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "dataset").exists()
 
 
 # ------------------------------------------------------------------ hostile and broken servers
@@ -354,9 +431,7 @@ def test_a_stalled_server_fails_after_timeout_s_and_a_failed_request_does_not_wa
 
 
 @pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
-@pytest.mark.parametrize(
-    ("method", "path"), [("POST", "/completion"), ("GET", "/v1/models"), ("POST", "/tokenize")]
-)
+@pytest.mark.parametrize(("method", "path"), [("POST", "/completion"), ("GET", "/v1/models"), ("POST", "/tokenize")])
 def test_a_redirect_is_refused_never_followed(status, method, path):
     """A redirect to another host is a server error: the other host's answers (to a request without the prompt,
     after a 302/303) never become rows."""
