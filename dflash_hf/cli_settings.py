@@ -13,13 +13,18 @@ required flag.
 `--config FILE.yaml` reads a mapping of field names to values (`num_prompts: 20`, `block_sizes: [4, 8]`); it is read
 as the flags it stands for, given before the command line's own, so the command line overrides the file (a
 repeatable flag adds to the file's). The sub-command parsers of `dflash-hf` are [`SettingsParser`]s, which read it.
+The file is a regular file of at most `CONFIG_MAX_BYTES`, given once; each value is plain (text, a number, or true or
+false for a switch), and a list of plain values is taken by the fields that hold a list only.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import reprlib
 import shlex
+import stat
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -29,6 +34,8 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 CONFIG_FLAG = "--config"
+CONFIG_MAX_BYTES = 1 << 20  # a settings file, and the flags its values stand for
+_PLAIN = (str, int, float)  # a value a flag takes (bool is a switch's)
 
 
 def flag(field: dataclasses.Field) -> str:
@@ -53,7 +60,7 @@ def add_settings(parser: argparse.ArgumentParser, *settings: type) -> None:
         CONFIG_FLAG,
         metavar="FILE.yaml",
         help="Read the settings from a YAML mapping whose keys are the flags' names with underscores (e.g. "
-        "max_new_tokens: 64); flags given as well override the file's values.",
+        "max_new_tokens: 64; a list for a flag that takes several); flags given as well override the file's values.",
     )
     parser.settings_classes = settings  # read by `SettingsParser` before it parses
 
@@ -101,33 +108,44 @@ class SettingsParser(argparse.ArgumentParser):
     def _with_config(self, args: list[str]) -> list[str]:
         """`args` with `--config FILE` replaced by the flags of the file's settings, put first."""
         finder = argparse.ArgumentParser(add_help=False)
-        finder.add_argument(CONFIG_FLAG)
+        finder.add_argument(CONFIG_FLAG, action="append")
         found, rest = finder.parse_known_args(args)
         if found.config is None:
             return args
-        values = read_config(found.config)
+        if len(found.config) > 1:
+            raise ValueError(
+                f"{CONFIG_FLAG} is given {len(found.config)} times ({', '.join(found.config)}): pass one settings "
+                "file (merge them into one, or give the other settings as flags)."
+            )
+        path = found.config[0]
+        values = read_config(path)
         fields = {field.name: cls for cls in self.settings_classes for field in dataclasses.fields(cls)}
         unknown = sorted(set(values) - set(fields))
         if unknown:
             raise ValueError(
-                f"{CONFIG_FLAG} {found.config}: unknown setting(s) {', '.join(unknown)}; `{self.prog}` takes "
+                f"{CONFIG_FLAG} {path}: unknown setting(s) {', '.join(unknown)}; `{self.prog}` takes "
                 f"{', '.join(fields)}."
             )
         try:
+            for name, value in values.items():
+                _check_config_value(fields[name], name, value)
             flags = [word for name, value in values.items() for word in flags_of(fields[name], {name: value})]
         except ValueError as err:
-            raise ValueError(f"{CONFIG_FLAG} {found.config}: {err}.") from err
+            raise ValueError(f"{CONFIG_FLAG} {path}: {err}.") from err
         return flags + rest
 
 
 def read_config(path: str) -> dict[str, Any]:
-    """The settings mapping of the YAML file `path`; a `ValueError` naming the file when it holds no such mapping."""
+    """The settings mapping of the YAML file `path`; a `ValueError` naming the file when it is no regular file of at
+    most `CONFIG_MAX_BYTES` or holds no such mapping."""
     import yaml
 
     try:
-        values = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        values = yaml.safe_load(_read_settings_file(path).decode("utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise ValueError(f"{CONFIG_FLAG} {path} is not a valid YAML file ({err}): fix the file.") from err
+    except RecursionError as err:
+        raise ValueError(f"{CONFIG_FLAG} {path} is nested too deeply to be a settings file: fix the file.") from err
     if values is None:
         return {}
     if not isinstance(values, dict) or not all(isinstance(key, str) for key in values):
@@ -136,6 +154,63 @@ def read_config(path: str) -> dict[str, Any]:
             "`max_new_tokens: 64`."
         )
     return values
+
+
+def _read_settings_file(path: str) -> bytes:
+    """The bytes of the settings file `path`, once it is known to be a regular file of at most `CONFIG_MAX_BYTES`
+    (opened without blocking: a pipe or a device is refused, never read)."""
+    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise ValueError(f"{CONFIG_FLAG} {path} is not a regular file (a folder, pipe or device): name a YAML file.")
+    with os.fdopen(descriptor, "rb") as handle:
+        data = handle.read(CONFIG_MAX_BYTES + 1)
+    if len(data) > CONFIG_MAX_BYTES:
+        raise ValueError(
+            f"{CONFIG_FLAG} {path} is larger than {CONFIG_MAX_BYTES} bytes, far more than settings take: name the "
+            "settings file."
+        )
+    return data
+
+
+def _check_config_value(settings: type, name: str, value: Any) -> None:
+    """Raise a `ValueError` when `value` of the settings file is not of the shape of the field `name` of `settings`:
+    true or false for a switch, else a plain value, or for a field that holds a list a list of plain values; written
+    out as flags, at most `CONFIG_MAX_BYTES` characters (YAML aliases can repeat a value without end)."""
+    field = next(field for field in dataclasses.fields(settings) if field.name == name)
+    if value is None or _switch(field):
+        return  # no flags, or a switch's own check (`_flags`)
+    holds_list = typing.get_origin(_unwrapped(typing.get_type_hints(settings)[name])) is list
+    items = value if holds_list and isinstance(value, list) else [value]
+    wrong = [item for item in items if isinstance(item, bool) or not isinstance(item, _PLAIN)]
+    if wrong:
+        kind = "a list of plain values (text or numbers)" if holds_list else "one plain value (text or a number)"
+        got = _shape(value) if wrong[0] is value else f"a list holding {_shape(wrong[0])}"
+        raise ValueError(f"the setting {name} takes {kind}, got {got}")
+    if sum(len(str(item)) + 1 for item in items) > CONFIG_MAX_BYTES:
+        raise ValueError(
+            f"the setting {name} is more than {CONFIG_MAX_BYTES} characters written out (YAML aliases repeating a "
+            "value?)"
+        )
+
+
+def _shape(value: Any) -> str:
+    """What a settings file's `value` is, in a few words (never a list or mapping written out: YAML aliases can make
+    it endless)."""
+    if isinstance(value, (list, dict)):
+        return "a list" if isinstance(value, list) else "a mapping"
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else f"{str(value).lower()} (quote it for text)"
+    if isinstance(value, _PLAIN):
+        return reprlib.repr(value)
+    return f"a {type(value).__name__} (quote it for text)"
+
+
+def _unwrapped(hint: Any) -> Any:
+    """`X` of a field annotated `X | None`, else `hint`."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    return hint
 
 
 def _switch(field: dataclasses.Field) -> bool:
@@ -168,8 +243,7 @@ def _argparse_options(field: dataclasses.Field, hint: Any) -> dict[str, Any]:
 
 def _scalar(hint: Any) -> type:
     """The argparse type of a field annotated `hint`: the annotation itself, or `X` of `X | None`."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    hint = _unwrapped(hint)
     if hint not in (str, int, float, Path):
         raise TypeError(f"A settings field of type {hint} needs an argparse `type` in its metadata.")
     return hint
@@ -180,7 +254,7 @@ def _flags(field: dataclasses.Field, value: Any) -> list[str]:
     of an `nargs="+"` flag, or one flag with the items comma-separated; nothing for `None` or no items."""
     if _switch(field):
         if not isinstance(value, bool):
-            raise ValueError(f"the setting {field.name} is true or false, got {value!r}")
+            raise ValueError(f"the setting {field.name} is true or false, got {_shape(value)}")
         return [flag(field)] if value != field.default else []
     items = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
     if not items:

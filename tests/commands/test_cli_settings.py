@@ -74,6 +74,62 @@ def test_a_bad_config_file_is_one_error_line(tmp_path, capsys, text, message):
     assert not (tmp_path / "out").exists()
 
 
+def _one_error_line(capsys, argv: list[str]) -> str:
+    """The single `error:` line of `dflash-hf make-data argv`; `--turn 0` is refused after the parse, so a file the
+    parse takes never starts a run."""
+    assert cli.main(["make-data", *map(str, argv), "--turn", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("out: [a, b]\n", "the setting out takes one plain value (text or a number), got a list"),
+        ("out: {a: 1}\n", "the setting out takes one plain value (text or a number), got a mapping"),
+        ("out: 2024-01-01\n", "the setting out takes one plain value (text or a number), got a date (quote it"),
+        ("out: yes\n", "the setting out takes one plain value (text or a number), got true (quote it"),
+        ("target_layer_ids: [[1], 2]\n", "target_layer_ids takes a list of plain values (text or numbers), got a list "
+         "holding a list"),
+        ("target_layer_ids: [1, null]\n", "got a list holding null"),
+        ("final_hidden: [1, 2]\n", "the setting final_hidden is true or false, got a list"),
+        # an alias bomb: nine lists of nine of the list before, never written out
+        ("prompts: &a [x, x, x, x, x, x, x, x, x]\n"
+         + "".join(f"{k}: &{k[0]}{i} [{', '.join([f'*{p}'] * 9)}]\n" for i, (k, p) in enumerate(
+             [("server", "a"), ("drafter", "s0"), ("dtype", "d1"), ("device", "d2")])),
+         "the setting prompts takes one plain value (text or a number), got a list"),
+        ("out: &s " + "x" * 2000 + "\ntarget_layer_ids: [" + ", ".join(["*s"] * 600) + "]\n",
+         "the setting target_layer_ids is more than 1048576 characters written out"),
+    ],
+    ids=["list", "mapping", "date", "yes", "nested list", "null item", "switch list", "alias bomb", "alias repeats"],
+)  # fmt: skip
+def test_a_config_value_of_the_wrong_shape_is_one_error_line(tmp_path, capsys, text, message):
+    config = _write(tmp_path / "data.yaml", "target: smollm2-135m\n" + text)
+    line = _one_error_line(capsys, ["--config", config])
+    assert line.startswith(f"error: --config {config}: ") and message in line
+
+
+def test_a_config_file_is_a_regular_file_of_bounded_size_and_depth(tmp_path, capsys):
+    import os
+
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)  # opening it to read would wait for a writer
+    for path in (tmp_path, fifo, "/dev/zero"):
+        assert f"--config {path} is not a regular file" in _one_error_line(capsys, ["--config", path])
+    big = _write(tmp_path / "big.yaml", "# " + "x" * (1 << 20) + "\n")
+    assert f"--config {big} is larger than 1048576 bytes" in _one_error_line(capsys, ["--config", big])
+    deep = _write(tmp_path / "deep.yaml", "out: " + "[" * 20_000 + "]" * 20_000 + "\n")
+    assert f"--config {deep} is nested too deeply" in _one_error_line(capsys, ["--config", deep])
+
+
+def test_a_second_config_file_is_refused_not_silently_taken(tmp_path, capsys):
+    first = _write(tmp_path / "a.yaml", "target: smollm2-135m\nout: a\n")
+    second = _write(tmp_path / "b.yaml", "out: b\n")
+    line = _one_error_line(capsys, ["--config", first, f"--config={second}"])
+    assert f"error: --config is given 2 times ({first}, {second}): pass one settings file" in line
+
+
 def test_a_missing_config_file_is_one_error_line(tmp_path, capsys):
     assert cli.main(["make-data", "--config", str(tmp_path / "none.yaml")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
