@@ -6,7 +6,9 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -50,10 +52,31 @@ def discard(path: str | os.PathLike) -> None:
 
 
 def _private_folder(path: Path, suffix: str) -> Path:
-    """A new folder `.NAME.<random><suffix>` beside `path`, created exclusively and private to this user (mode 0700),
-    so no other entry planted in the parent folder (a link at a guessable name) is ever written through."""
+    """A new folder `.NAME.<random>.<pid>@<host><suffix>` beside `path`, created exclusively and private to this user
+    (mode 0700), so no other entry planted in the parent folder (a link at a guessable name) is ever written through;
+    its name says which process writes it ([`remove_leftovers`] keeps it while that process runs)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent))
+    writer = f".{os.getpid()}@{socket.gethostname()}"
+    return Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=writer + suffix, dir=path.parent))
+
+
+def _writer_gone(name: str) -> bool:
+    """Whether the process named in the name of a private folder of [`_private_folder`] has ended: it ran on this
+    machine and no longer does. A name without a writer (safetensors' own temporary) counts as gone; a writer on
+    another machine, or on a system where this cannot be told, is taken as running."""
+    match = re.fullmatch(r".*\.(\d+)@(.*)\.[a-z]+", name)
+    if match is None:
+        return True
+    pid = int(match[1])
+    if match[2] != socket.gethostname() or os.name == "nt" or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: only whether the process exists
+    except (ProcessLookupError, OverflowError):
+        return True
+    except PermissionError:  # another user's process
+        return False
+    return False
 
 
 def _remove(path: Path) -> None:
@@ -65,10 +88,11 @@ def _remove(path: Path) -> None:
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
-    """Write the file `path` through a temporary file `NAME` inside a new private folder `.NAME.<random>.tmp` beside
-        it: `write(temporary)` fills it, it is flushed to disk and renamed into place, so `path` is either absent, the old
-        file or the complete new one. A link at `path` is replaced, never written through; leftovers of a killed earlier
-    write of `path` are removed first."""
+    """Write the file `path` through a temporary file `NAME` inside a new private folder beside it
+    (`.NAME.<random>.<pid>@<host>.tmp`): `write(temporary)` fills it, it is flushed to disk and renamed into place, so
+    `path` is either absent, the old file or the complete new one. A link at `path` is replaced, never written through; leftovers of a killed
+    earlier write of `path` are removed first (another write of `path` still running keeps its own, and the last to
+    finish gives `path`)."""
     path = Path(path)
     remove_leftovers(path.parent, (f".{glob.escape(path.name)}.*.tmp",))  # of a killed earlier write
     folder = _private_folder(path, ".tmp")
@@ -91,7 +115,8 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 def atomic_write_folder(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
     """Write the folder `path` through a new private staging folder beside it: `write(staging)` fills it, then it
     replaces `path` (an old `path` is moved aside first and put back if the swap fails), so `path` is either absent,
-    the old folder or the complete new one. Leftovers of an interrupted earlier write are removed first."""
+    the old folder or the complete new one. Leftovers of an interrupted earlier write are removed first (another
+    write of `path` still running keeps its own)."""
     path = Path(path)
     name = glob.escape(path.name)
     remove_leftovers(path.parent, (f".{name}.*partial", f".{name}.*previous"))
@@ -140,10 +165,11 @@ def read_json(path: str | os.PathLike, fix: str) -> Any:
 
 def remove_leftovers(folder: str | os.PathLike, patterns: Iterable[str]) -> None:
     """Delete the entries of `folder` matching the glob `patterns` (files, links and the private folders of
-    [`atomic_write`]): temporary files of a killed earlier write."""
+    [`atomic_write`]): temporary files of a killed earlier write. A private folder whose writer still runs is kept."""
     for pattern in patterns:
         for leftover in Path(folder).glob(pattern):
-            _remove(leftover)
+            if _writer_gone(leftover.name):
+                _remove(leftover)
 
 
 def cache_dir() -> Path:

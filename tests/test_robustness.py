@@ -565,6 +565,47 @@ def test_atomic_write_clears_the_leftovers_of_a_killed_write(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]
 
 
+def test_two_writers_of_one_path_both_finish_and_the_last_gives_it(tmp_path):
+    """A second write of a path while the first is under way (two exports into one folder, two `profile` runs) leaves
+    the first's temporary alone: both finish, and the one that finishes last gives the path."""
+    file, folder = tmp_path / "d.gguf", tmp_path / "out"
+
+    def first_file(temporary):
+        temporary.write_text("first")
+        fileio.atomic_write_text(file, "second")
+
+    def first_folder(staging):
+        (staging / "a.txt").write_text("first")
+        fileio.atomic_write_folder(folder, lambda second: (second / "b.txt").write_text("second"))
+
+    fileio.atomic_write(file, first_file)
+    fileio.atomic_write_folder(folder, first_folder)
+    assert file.read_text() == "first" and sorted(p.name for p in folder.iterdir()) == ["a.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.gguf", "out"]
+
+
+def test_leftovers_are_removed_only_once_their_writer_is_gone(tmp_path):
+    import os
+    import socket
+    import subprocess
+
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # its pid names no process now
+    host = socket.gethostname()
+    names = {
+        "gone": f".d.gguf.k1ll3d00.{ended.pid}@{host}.tmp",
+        "running": f".d.gguf.w0rk1ng0.{os.getppid()}@{host}.tmp",
+        "elsewhere": f".d.gguf.r3m0t300.{ended.pid}@another-{host}.tmp",
+        "made up": f".d.gguf.b1gp1d00.{10**30}@{host}.tmp",
+    }
+    for name in names.values():
+        (tmp_path / name).mkdir()
+    fileio.atomic_write_text(tmp_path / "d.gguf", "new")
+    kept = {name for name in names.values() if (tmp_path / name).exists()}
+    assert kept == {names["running"], names["elsewhere"]}
+    assert (tmp_path / "d.gguf").read_text() == "new"
+
+
 def test_atomic_folder_write_never_writes_through_planted_links(tmp_path):
     victim = tmp_path / "victim"
     victim.mkdir()
