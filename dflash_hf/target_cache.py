@@ -92,6 +92,8 @@ def cache_problem(directory: str | Path, spec: TargetSpec) -> str | None:
             path = path_inside(directory, name, MARKER_FILE, "rebuild the cache.")
         except ValueError:
             return f"completion marker names {name!r}, outside the folder"
+        if not isinstance(expected, dict):
+            return f"completion marker has no size and sha256 of {name}"
         if not path.is_file():
             return f"missing file {name}"
         if path.stat().st_size != expected.get("size"):

@@ -127,6 +127,13 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+def _mark_config(folder: Path, entry) -> None:
+    """Give `config.json` the entry `entry` in the cache's completion marker."""
+    marker = json.loads((folder / MARKER_FILE).read_text())
+    marker["files"]["config.json"] = entry
+    (folder / MARKER_FILE).write_text(json.dumps(marker))
+
+
 @pytest.mark.parametrize(
     "damage, reason",
     [
@@ -135,8 +142,10 @@ def _truncate(path: Path) -> None:
         (lambda folder: (folder / MARKER_FILE).unlink(), "incomplete"),
         (lambda folder: (folder / "config.json").unlink(), "missing file"),
         (lambda folder: (folder / MARKER_FILE).write_text("{not json"), "unreadable"),
+        (lambda folder: _mark_config(folder, 5), "completion marker has no size and sha256 of config.json"),
+        (lambda folder: _mark_config(folder, [1, "x"]), "completion marker has no size and sha256 of config.json"),
     ],
-    ids=["bit-flip", "truncated", "no-marker", "missing-file", "bad-marker"],
+    ids=["bit-flip", "truncated", "no-marker", "missing-file", "bad-marker", "entry-a-number", "entry-a-list"],
 )
 def test_damaged_cache_is_detected_and_rebuilt(cache_root, tiny_spec, damage, reason):
     spec, calls = tiny_spec
