@@ -176,6 +176,15 @@ def check_options(candidates: str, sampling_proposal: str, lookup_tokens: int | 
         )
 
 
+def check_target(target) -> None:
+    """Refuse a `target` that is no Transformers model with `generate` (a causal LM)."""
+    if not isinstance(target, torch.nn.Module) or not callable(getattr(target, "generate", None)):
+        raise ValueError(
+            "`target` must be a Transformers causal LM (e.g. `AutoModelForCausalLM.from_pretrained(...)`), got "
+            f"{type(target).__name__}."
+        )
+
+
 def check_drafter(drafter) -> None:
     """Refuse a `drafter` that is no `DFlashDraftModel` (also one loaded through its checkpoint's remote code)."""
     if not isinstance(drafter, DFlashDraftModel) and type(drafter).__name__ != "DFlashDraftModel":

@@ -29,10 +29,12 @@ from .block_size import BlockSizePolicy
 from .candidates import DEFAULT_CANDIDATES
 from .checks import (
     check_context_length,
+    check_drafter,
     check_inputs,
     check_logits_processors,
     check_prompt_is_token_ids,
     check_request,
+    check_target,
 )
 from .generation_call import GenerationCall
 from .oracle import OracleDrafts
@@ -147,6 +149,8 @@ def generate(
         A `(batch, length)` tensor like `model.generate`, or a [`DFlashGenerateOutput`] (sequences + statistics) with
         `return_dict_in_generate=True`.
     """
+    check_target(target)
+    check_drafter(drafter)
     check_prompt_is_token_ids(kwargs)
     input_ids, attention_mask = check_inputs(target, input_ids, attention_mask)
     stop_strings_as_criteria(target, kwargs)

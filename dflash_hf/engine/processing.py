@@ -73,8 +73,18 @@ EXACT_PROCESSORS = _PREFIX_FREE + _ROW_WISE
 def _for_row(processor: LogitsProcessor, row: int) -> LogitsProcessor:
     """`processor` as plain decoding applies it to batch row `row` when it is called with that row alone."""
     if isinstance(processor, PrefixConstrainedLogitsProcessor):
-        allowed, group = processor._prefix_allowed_tokens_fn, processor._num_beams
-        return PrefixConstrainedLogitsProcessor(lambda _, sequence: allowed(row // group, sequence), 1)
+        allowed, batch_id = processor._prefix_allowed_tokens_fn, row // processor._num_beams
+
+        def allowed_in_row(_: int, sequence: torch.Tensor) -> list[int]:
+            tokens = allowed(batch_id, sequence)
+            if len(tokens) == 0:  # said here: the bound processor would name batch ID 0
+                raise ValueError(
+                    f"`prefix_allowed_tokens_fn` returned an empty list for batch ID {batch_id}: the constraint is "
+                    "unsatisfiable; check your `prefix_allowed_tokens_fn`."
+                )
+            return tokens
+
+        return PrefixConstrainedLogitsProcessor(allowed_in_row, 1)
     if isinstance(processor, RepetitionPenaltyLogitsProcessor) and isinstance(
         processor.prompt_ignore_length, torch.Tensor
     ):

@@ -403,6 +403,30 @@ def test_meta_device_ids_are_a_value_error(target, drafter):
         dflash_hf.generate(target, drafter, torch.ones(1, 4, dtype=torch.long, device="meta"), max_new_tokens=4)
 
 
+def test_an_unsatisfiable_prefix_constraint_names_its_batch_id(target, drafter):
+    """As plain `generate` says: the empty list came for batch ID 1, whatever the engine's per-row binding."""
+    ids, mask = _batch()
+
+    def only_row_0(batch_id: int, sent: torch.Tensor) -> list[int]:
+        return [] if batch_id == 1 else [5]
+
+    with pytest.raises(ValueError, match=r"returned an empty list for batch ID 1\."):
+        target.generate(ids, attention_mask=mask, max_new_tokens=4, prefix_allowed_tokens_fn=only_row_0)
+    with pytest.raises(ValueError, match=r"^`prefix_allowed_tokens_fn` returned an empty list for batch ID 1: "):
+        dflash_hf.generate(
+            target, drafter, ids, attention_mask=mask, max_new_tokens=4, prefix_allowed_tokens_fn=only_row_0
+        )
+
+
+@pytest.mark.parametrize("max_new_tokens", [4, 0])
+def test_a_target_or_drafter_that_is_no_model_is_a_value_error(target, drafter, max_new_tokens):
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match=r"^`target` must be a Transformers causal LM .*, got NoneType\.$"):
+        dflash_hf.generate(None, drafter, ids, max_new_tokens=max_new_tokens)
+    with pytest.raises(ValueError, match=r"^`drafter` must be a DFlashDraftModel, got NoneType\.$"):
+        dflash_hf.generate(target, None, ids, max_new_tokens=max_new_tokens)
+
+
 class _GreedyPolicy:
     """A caller's policy that always asks for `size`."""
 
