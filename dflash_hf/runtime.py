@@ -1,4 +1,5 @@
-"""What the machine offers a run: the default device and dtype, CUDA-synchronised wall clocks, available CPUs."""
+"""What the machine offers a run: the default device and dtype, CUDA-synchronised wall clocks, stopwatches that do not
+wait for the device, available CPUs."""
 
 from __future__ import annotations
 
@@ -73,19 +74,55 @@ def clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-class Stopwatch:
-    """Accumulates the wall time of the code regions it wraps (`with watch: ...`), synchronising `device`."""
+class _WallMark:
+    """A point in time taken by the host clock, with the interface of a CUDA timing event."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.total = 0.0
+    def __init__(self) -> None:
+        self.time = time.perf_counter()
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: the host clock was read when the mark was taken."""
+
+    def elapsed_time(self, end: _WallMark) -> float:
+        """Milliseconds from this mark to `end`."""
+        return 1000.0 * (end.time - self.time)
+
+
+def _mark(device: torch.device) -> torch.cuda.Event | _WallMark:
+    """A point in the work queued on `device`: a CUDA timing event recorded in the current stream, the host clock
+    elsewhere (where the work is done when the call returns)."""
+    if device.type != "cuda":
+        return _WallMark()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+class Stopwatch:
+    """Accumulates the time of the code regions it wraps (`with watch: ...`) on `device` without waiting for it: on
+    CUDA a region runs from an event recorded in the stream when it starts to one recorded when it ends (the device's
+    time for the region's work), elsewhere on the wall clock. Reading `total` waits for the last region's work."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._total = 0.0
+        self._regions: list[tuple] = []
 
     def __enter__(self) -> Stopwatch:
-        self._start = clock(self.device)
+        self._start = _mark(self.device)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.total += clock(self.device) - self._start
+        self._regions.append((self._start, _mark(self.device)))
+
+    @property
+    def total(self) -> float:
+        """Seconds in the regions so far."""
+        for start, end in self._regions:
+            end.synchronize()
+            self._total += start.elapsed_time(end) / 1000.0
+        self._regions.clear()
+        return self._total
 
 
 def native_bf16_feature() -> str | None:

@@ -3,7 +3,8 @@
 A source proposes each cycle's candidates for the active rows as a [`Proposal`]: the DFlash chain (the block's
 drafts, verified by a causal forward; the one shape sampling verifies) or token trees given by parent pointers
 (`tree.TokenTrees`, verified with an ancestor mask). After verification it learns what was accepted (the
-[`Verdict`]), then what the cycle cost, which its own adaptive choices follow. Three sources:
+[`Verdict`] as the host reads it once per cycle, a [`Readout`]), then what the cycle cost, which its own adaptive
+choices follow. Three sources:
 
 * [`DFlashChain`]: the DFlash block alone, drafted by one drafter forward (`candidates="dflash"`).
 * [`LookupBranch`]: the chain, plus the row's prompt-lookup continuation as a second branch from the anchor when
@@ -29,8 +30,9 @@ from ..target.adapter import TargetAdapter, TargetStep
 from .cache_ops import truncate_cache
 from .draft_tree import DEFAULT_TREE_NODES, DraftTree, DraftTreeSearch, pack_trees
 from .lookup import LookupBranchChoice, Lookups, lookup_branch_length, lookup_branch_trees
-from .rows import ActiveRows, mask_or_none
+from .rows import ActiveRows
 from .token_choice import TokenChoice, finite_slots
+from .transfers import upload
 from .tree import TokenTrees
 
 # what a verify checks: the DFlash block alone, with a lookup branch, or a draft tree (`draft_tree`) with one
@@ -97,20 +99,52 @@ class Proposal(NamedTuple):
 
 
 class Verdict(NamedTuple):
-    """What the target's verify forward decided, per row: `accepted` candidates on the kept path, the target's
-    `next_tokens` after them, the `path` tokens after the anchor, and `order` (trees: the kept path's node indices).
-    `node_accepted` (trees) marks the accepted nodes; `widths` are the tokens verified per row; `block_kept` is what
-    the DFlash block alone would have committed; `lookup_won` (trees) whether a lookup node ended the path."""
+    """What the target's verify forward decided, per row, on the device: `accepted` candidates on the kept path, the
+    target's `next_tokens` after them, the `path` tokens after the anchor, and `order` (trees: the kept path's node
+    indices). `widths` (on the host, known from the proposal) are the tokens verified per row; `block_kept` what the
+    DFlash block alone would have committed (`None`: the block was verified alone); `node_accepted` (trees) marks the
+    accepted nodes; `lookup_won` (trees) whether a lookup node ended the path. [`read`] brings what the host needs."""
 
     accepted: torch.Tensor
     next_tokens: torch.Tensor
     step: TargetStep
     path: torch.LongTensor
     widths: list[int]
-    block_kept: list[int]
+    block_kept: torch.Tensor | None = None
     order: torch.LongTensor | None = None
     node_accepted: torch.Tensor | None = None
-    lookup_won: list[bool] | None = None
+    lookup_won: torch.Tensor | None = None
+
+    def read(self) -> Readout:
+        """The cycle's one read of the device: every row's committed tokens and counts, packed in one tensor."""
+        kept = self.accepted + 1
+        block_kept = kept if self.block_kept is None else self.block_kept
+        lookup_won = torch.zeros_like(kept) if self.lookup_won is None else self.lookup_won
+        counts = torch.stack([kept, block_kept, lookup_won.long(), self.next_tokens], dim=1)
+        nodes = self.path[:, :0] if self.node_accepted is None else self.node_accepted
+        packed = torch.cat([counts.long(), self.path.long(), nodes.long()], dim=1).tolist()
+        paths = [row[4 : 4 + self.path.shape[1]] for row in packed]
+        return Readout(
+            kept=[row[0] for row in packed],
+            block_kept=[row[1] for row in packed],
+            lookup_won=[bool(row[2]) for row in packed],
+            tokens=[path[: row[0] - 1] + [row[3]] for row, path in zip(packed, paths)],
+            node_accepted=None
+            if self.node_accepted is None
+            else [[bool(node) for node in row[4 + self.path.shape[1] :]] for row in packed],
+        )
+
+
+class Readout(NamedTuple):
+    """A [`Verdict`] as the host reads it, per row: the tokens `kept` (accepted candidates + the target's own), the
+    committed `tokens` themselves, what the DFlash block alone would have kept (`block_kept`), whether a lookup node
+    ended the path (`lookup_won`), and (trees) which nodes were accepted (`node_accepted`)."""
+
+    kept: list[int]
+    block_kept: list[int]
+    lookup_won: list[bool]
+    tokens: list[list[int]]
+    node_accepted: list[list[bool]] | None = None
 
 
 class CandidateSource(Protocol):
@@ -119,7 +153,7 @@ class CandidateSource(Protocol):
     def propose(self, state: ActiveRows, block: int, block_pos: torch.LongTensor) -> Proposal:
         """The candidates of the active rows' next blocks of `block` tokens at positions `block_pos`."""
 
-    def learn(self, proposal: Proposal, verdict: Verdict) -> None:
+    def learn(self, proposal: Proposal, readout: Readout) -> None:
         """What the target accepted of `proposal` (within the cycle's time)."""
 
     def observe(self, proposal: Proposal, committed: float, seconds: float) -> None:
@@ -141,6 +175,15 @@ class DFlashChain:
         self.drafter, self.adapter, self.cache, self.choice, self.timer = drafter, adapter, cache, choice, timer
         self.mask_token_id = int(drafter.config.mask_token_id)
 
+    def attention_mask(self, state: ActiveRows, block: int) -> torch.Tensor | None:
+        """The drafter's mask over its keys (cache, pending context, block): `None` when no row is padded, else in
+        the 4-D boolean form its attention takes (the 2-D one for flash attention), as the host knows the rows are
+        padded (given a 2-D mask, the drafter reads it to find out)."""
+        mask = state.attention_mask(block)
+        if mask is None or "flash" in (self.drafter.config._attn_implementation or ""):
+            return mask
+        return mask.bool()[:, None, None, :].expand(-1, 1, block, -1)
+
     def slots(self, state: ActiveRows, block: int, block_pos: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafter forward; returns the draft slots' logits and final hidden states."""
         noise_ids = torch.full((len(state.rows), block), self.mask_token_id, dtype=torch.long, device=block_pos.device)
@@ -149,7 +192,7 @@ class DFlashChain:
             noise_embeds=self.adapter.embed(noise_ids),
             context_hidden_states=state.pending_context_hidden_states,
             position_ids=torch.cat([state.pending_pos, block_pos], dim=1),
-            attention_mask=mask_or_none(state.mask, block),
+            attention_mask=self.attention_mask(state, block),
             cache=self.cache,
         )
         truncate_cache(self.cache, state.mask.shape[1])
@@ -169,7 +212,7 @@ class DFlashChain:
                 return Proposal(block, *self.choice.propose(draft_logits, state.rows))
             return Proposal(block, *self.choice.propose(draft_logits, state.rows, (state.anchors, hidden_states)))
 
-    def learn(self, proposal: Proposal, verdict: Verdict) -> None:
+    def learn(self, proposal: Proposal, readout: Readout) -> None:
         """The chain learns nothing (the block-size policy learns from every cycle)."""
 
     def observe(self, proposal: Proposal, committed: float, seconds: float) -> None:
@@ -193,7 +236,7 @@ class LookupBranch:
             return proposal._replace(lookup_choice=False)
         return Proposal(block, trees=lookup_branch_trees(state.anchors, proposal.tokens, found), lookup_choice=True)
 
-    def learn(self, proposal: Proposal, verdict: Verdict) -> None:
+    def learn(self, proposal: Proposal, readout: Readout) -> None:
         """The choice follows committed tokens per second, not acceptance."""
 
     def observe(self, proposal: Proposal, committed: float, seconds: float) -> None:
@@ -219,20 +262,20 @@ class DraftTreeCandidates:
             draft_logits, hidden_states = self.chain.slots(state, block, block_pos)
             draft_logits, _ = finite_slots(draft_logits)
             candidates = self.chain.choice.slot_candidates(draft_logits, hidden_states)
-            trees = self.search.grow(state.anchors.tolist(), candidates, block - 1, lookups)
+            trees = self.search.grow(state.anchor_ids, candidates, block - 1, lookups)
         if all(len(tree) == block for tree in trees):
-            chains = torch.tensor([tree.tokens[1:] for tree in trees], dtype=torch.long, device=block_pos.device)
+            chains = upload([tree.tokens[1:] for tree in trees], block_pos.device)
             return Proposal(block, chains, draft_trees=trees)
         return Proposal(block, trees=pack_trees(trees, block_pos.device), draft_trees=trees)
 
-    def learn(self, proposal: Proposal, verdict: Verdict) -> None:
+    def learn(self, proposal: Proposal, readout: Readout) -> None:
         """Calibrate the drafter and lookup nodes' acceptance per depth from the verified trees."""
         if proposal.draft_trees is None:
             return
-        accepted = verdict.node_accepted
+        accepted = readout.node_accepted
         if accepted is None:  # verified as the chain: its nodes up to the accepted ones
-            accepted = torch.arange(proposal.block, device=verdict.accepted.device) <= verdict.accepted[:, None]
-        self.search.observe(proposal.draft_trees, accepted.tolist())
+            accepted = [[node < kept for node in range(proposal.block)] for kept in readout.kept]
+        self.search.observe(proposal.draft_trees, accepted)
 
     def observe(self, proposal: Proposal, committed: float, seconds: float) -> None:
         """The budget learns the cost of the cycle's verify width."""

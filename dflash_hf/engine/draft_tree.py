@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .block_size import cost_line
+from .transfers import upload
 from .tree import TokenTrees
 
 DEFAULT_TREE_NODES = 16  # most nodes a tree verifies beyond the DFlash block (side branches and lookup tokens)
@@ -171,10 +172,12 @@ class SlotCandidates:
                 self._cache[(index // slots, index % slots, -1)] = (p, t)
 
     def _top(self, logits: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
+        """The top tokens and their probabilities of each row of `logits`, read from the device at once."""
         probs = self.probabilities(logits)
         values, indices = probs.topk(min(self.top, probs.shape[-1]), dim=-1)
         tokens = indices if self.token_ids is None else self.token_ids[indices]
-        return values.tolist(), tokens.tolist()
+        values, tokens = torch.stack([values.double(), tokens.double()]).tolist()  # token ids are exact in float64
+        return values, [[int(token) for token in row] for row in tokens]
 
     def for_row(self, row: int) -> Children:
         """The [`Children`] function of batch row `row`'s tree."""
@@ -303,22 +306,21 @@ class DraftTreeSearch:
         self.lookups.observe(lookups)
 
 
-def pack_trees(trees: list[DraftTree], device) -> TokenTrees:
+def pack_trees(trees: list[DraftTree], device: torch.device) -> TokenTrees:
     """The rows' trees as one [`TokenTrees`], padded to the widest with copies of the root under the root (never
     valid, so never accepted)."""
     width = max(len(tree) for tree in trees)
 
-    def padded(tree: DraftTree) -> list[list]:
+    def padded(tree: DraftTree) -> list[list[int]]:
         pad = width - len(tree)
         return [
             tree.tokens + [tree.tokens[0]] * pad,
             tree.parents + [0] * pad,
             tree.depths + [1] * pad,
-            [True] * len(tree) + [False] * pad,
-            tree.from_lookup + [False] * pad,
+            [1] * len(tree) + [0] * pad,
+            [int(node) for node in tree.from_lookup] + [0] * pad,
         ]
 
-    columns = list(zip(*(padded(tree) for tree in trees)))
-    ids, parents, depths = (torch.tensor(column, dtype=torch.long, device=device) for column in columns[:3])
-    valid, from_lookup = (torch.tensor(column, dtype=torch.bool, device=device) for column in columns[3:])
-    return TokenTrees(ids, parents, depths, valid, from_lookup)
+    ids, parents, depths, valid, from_lookup = upload([padded(tree) for tree in trees], device).unbind(1)
+    depth = max(max(tree.depths) for tree in trees)
+    return TokenTrees(ids, parents, depths, valid.bool(), from_lookup.bool(), depth, [len(tree) for tree in trees])

@@ -26,7 +26,7 @@ from ..target.grouped_attention import grouped_attention
 from .acceptance import DEFAULT_SAMPLING_PROPOSAL
 from .block_size import BlockSizePolicy, make_block_size_policy
 from .cache_ops import keep_path, select_rows, shift_cache_right, shift_right, truncate_cache
-from .candidates import DEFAULT_CANDIDATES, CandidatePlan, DFlashChain, Verdict, candidate_source
+from .candidates import DEFAULT_CANDIDATES, CandidatePlan, DFlashChain, Readout, Verdict, candidate_source
 from .checks import check_drafter, check_options
 from .lookup import Lookups
 from .oracle import OracleDrafts, oracle_chain
@@ -71,11 +71,11 @@ class GenerationCall:
         )
         self.batch = input_ids.shape[0]
         self.prompt_mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).to(torch.long)
+        self.input_ids = input_ids.long()
         self.sequences = CallSequences(
             input_ids,
             self.prompt_mask,
             max_length=int(generation_config.max_length),
-            spare=int(drafter.config.block_size) + 1,
             pad_token_id=0 if pad is None else pad,
             stopping_criteria=stopping_criteria,
             streamer=streamer,
@@ -154,52 +154,56 @@ class GenerationCall:
         proposal = self.source.propose(state, block, block_pos)
         self._realign(state)
         verdict = self.verifier.verify(state, block_pos, proposal)
-        kept = self._commit(state, block, verdict)
-        self.source.learn(proposal, verdict)
+        readout = verdict.read()  # the cycle's one wait for the device
+        self._commit(state, block, verdict, readout)
+        self.source.learn(proposal, readout)
         seconds = time.perf_counter() - cycle_start
         # the block-size policy learns the DFlash block's own acceptance, not the other branches' wins
-        self.policy.observe(block, verdict.block_kept, seconds)
-        self.source.observe(proposal, sum(kept) / len(kept), seconds)
+        self.policy.observe(block, readout.block_kept, seconds)
+        self.source.observe(proposal, sum(readout.kept) / len(readout.kept), seconds)
 
     def _prefill(self) -> ActiveRows:
         """1. One target forward over the prompts: fills the target cache, gives every row its first token."""
-        mask = self.prompt_mask
+        mask, padding = self.prompt_mask, list(self.sequences.padding)
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         with self.prefill_timer:
-            step = self.adapter.forward(
-                self.sequences.tokens[:, : self.sequences.prompt_len], mask_or_none(mask), positions, self.target_cache
-            )
+            step = self.adapter.forward(self.input_ids, mask_or_none(mask, any(padding)), positions, self.target_cache)
             first = self.choice.first(self.adapter.logits(step.last_hidden_state[:, -1]), list(range(self.batch)))
-        for row, token in enumerate(first.tolist()):
+        first_ids = first.tolist()  # the prefill's one wait for the device
+        for row, token in enumerate(first_ids):
             self.sequences.emit(row, [token])
         self.sequences.judge_columns()
         state = ActiveRows(
             rows=list(range(self.batch)),
             anchors=first,
+            anchor_ids=first_ids,
             committed=mask.sum(-1),
             mask=mask,
+            padding=padding,
             pending_context_hidden_states=step.context_hidden_states,
             pending_pos=positions,
             pending_shift=torch.zeros(self.batch, dtype=torch.long, device=self.device),
+            shifts=[0] * self.batch,
         )
         self._drop_finished(state)
         return state
 
     def _realign(self, state: ActiveRows) -> None:
         """3. Shift right the rows that committed fewer tokens last cycle (both caches now have the same layout)."""
-        if not bool(state.pending_shift.any()):
+        if not any(state.shifts):
             return
         shift = state.pending_shift
         shift_cache_right(self.target_cache, shift)
         shift_cache_right(self.draft_cache, shift)
-        state.mask = shift_right(state.mask, shift, dim=1)
-        state.mask[torch.arange(state.mask.shape[1], device=self.device)[None, :] < shift[:, None]] = 0
+        vacated = torch.arange(state.mask.shape[1], device=self.device)[None, :] < shift[:, None]
+        state.mask = shift_right(state.mask, shift, dim=1).masked_fill(vacated, 0)
 
-    def _commit(self, state: ActiveRows, block: int, verdict: Verdict) -> list[int]:
+    def _commit(self, state: ActiveRows, block: int, verdict: Verdict, readout: Readout) -> None:
         """5. Anchor + accepted candidates enter the caches (a tree verify keeps the accepted path's positions only),
-        the target's token becomes the next anchor, tokens are emitted. Returns the tokens kept per row."""
+        the target's token becomes the next anchor, tokens are emitted: the device's tensors from `verdict`, the
+        host's decisions from its `readout`."""
         kept = verdict.accepted + 1
-        width = int(kept.max())
+        width = max(readout.kept)
         features = verdict.step.context_hidden_states
         if verdict.order is None:
             truncate_cache(self.target_cache, state.mask.shape[1] + width)
@@ -211,24 +215,23 @@ class GenerationCall:
         state.pending_context_hidden_states = features[:, :width]
         state.pending_pos = state.committed[:, None] + slots[None, :]  # a lookup path may be longer than the block
         state.pending_shift = width - kept
+        state.shifts = [width - n for n in readout.kept]
+        state.padding = [padding + shift for padding, shift in zip(state.padding, state.shifts)]
         state.committed = state.committed + kept
         state.anchors = verdict.next_tokens
-        kept_list, path, next_tokens = kept.tolist(), verdict.path.tolist(), verdict.next_tokens.tolist()
-        lookup_won = verdict.lookup_won or [False] * len(state.rows)
+        state.anchor_ids = [tokens[-1] for tokens in readout.tokens]
         for i, row in enumerate(state.rows):
-            emitted = self.sequences.emit(row, path[i][: kept_list[i] - 1] + [next_tokens[i]])
-            self.sequences.record(row, emitted, block, verdict.widths[i], lookup_won[i])
-        return kept_list
+            emitted = self.sequences.emit(row, readout.tokens[i])
+            self.sequences.record(row, emitted, block, verdict.widths[i], readout.lookup_won[i])
 
     def _drop_finished(self, state: ActiveRows) -> None:
         """Remove the finished rows from the active rows and from both caches."""
         keep = [i for i, row in enumerate(state.rows) if not self.sequences.finished[row]]
         if len(keep) == len(state.rows):
             return
-        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        index = state.select(keep)
         for cache in (self.target_cache, self.draft_cache):
             select_rows(cache, index)
-        state.select(index)
 
     def _output(self) -> DFlashGenerateOutput:
         """The sequences (finished rows right-padded) and the statistics of the call."""

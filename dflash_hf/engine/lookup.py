@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from .transfers import upload
 from .tree import TokenTrees
 
 LOOKUP_NGRAM_SIZES = (3, 2)  # longest n-gram first, as prompt lookup does; 1-grams match too often to pay
@@ -66,15 +67,13 @@ def lookup_branch_trees(anchors: torch.LongTensor, drafts: torch.LongTensor, loo
     batch, k = drafts.shape
     m = max(len(tokens) for tokens in lookups)
     device = drafts.device
-    lookup_ids = anchors[:, None].repeat(1, m)
-    valid = torch.ones(batch, k + 1 + m, dtype=torch.bool, device=device)
-    valid[:, k + 1 :] = False
-    for i, tokens in enumerate(lookups):
-        if tokens:
-            lookup_ids[i, : len(tokens)] = torch.tensor(tokens, device=device)
-            valid[i, k + 1 : k + 1 + len(tokens)] = True
-    lookup_parents = [0, *range(k + 1, k + m)] if m else []
-    parents = torch.tensor([0, *range(k), *lookup_parents], dtype=torch.long, device=device)
+    table = upload([[len(tokens), *tokens] + [0] * (m - len(tokens)) for tokens in lookups], device)
+    lookup_valid = torch.arange(m, device=device)[None, :] < table[:, :1]
+    lookup_ids = torch.where(lookup_valid, table[:, 1:], anchors[:, None])
+    valid = torch.cat([lookup_valid.new_ones(batch, k + 1), lookup_valid], dim=1)
+    root = torch.zeros(1, dtype=torch.long, device=device)
+    lookup_parents = torch.cat([root, torch.arange(k + 1, k + m, device=device)]) if m else root[:0]
+    parents = torch.cat([root, torch.arange(k, device=device), lookup_parents])
     depths = torch.cat([torch.arange(k + 1, device=device), torch.arange(1, m + 1, device=device)])
     from_lookup = valid & (torch.arange(k + 1 + m, device=device) > k)
     return TokenTrees(
@@ -83,6 +82,8 @@ def lookup_branch_trees(anchors: torch.LongTensor, drafts: torch.LongTensor, loo
         depths=depths.expand(batch, -1),
         valid=valid,
         from_lookup=from_lookup,
+        depth=max(k, m),
+        widths=[k + 1 + len(tokens) for tokens in lookups],
     )
 
 

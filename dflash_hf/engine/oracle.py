@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from ..special_tokens import token_ids
-from .candidates import DFlashChain, Proposal, Verdict
+from .candidates import DFlashChain, Proposal, Readout
 from .rows import ActiveRows
+from .transfers import upload
 
 
 @dataclass(frozen=True)
@@ -79,12 +80,12 @@ class OracleChain:
         """`rows` as an index tensor on the device, built again only when the active rows change."""
         key = tuple(rows)
         if self._rows is None or self._rows[0] != key:
-            self._rows = key, torch.tensor(key, dtype=torch.long, device=self.reference.device)
+            self._rows = key, upload(list(key), self.reference.device)
         return self._rows[1]
 
-    def learn(self, proposal: Proposal, verdict: Verdict) -> None:
+    def learn(self, proposal: Proposal, readout: Readout) -> None:
         """The chain's own learning (none)."""
-        self.chain.learn(proposal, verdict)
+        self.chain.learn(proposal, readout)
 
     def observe(self, proposal: Proposal, committed: float, seconds: float) -> None:
         """The chain's own cost following (none)."""

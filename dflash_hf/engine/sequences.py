@@ -1,10 +1,12 @@
-"""The token rows of one generation call: what each row has emitted, when it stops, what the streamer has been sent,
-and the per-cycle statistics of every row."""
+"""The token rows of one generation call, on the host: what each row has emitted, when it stops, what the streamer has
+been sent, and the per-cycle statistics of every row."""
 
 from __future__ import annotations
 
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+
+from .transfers import upload
 
 
 def plain_stop_token_ids(stopping_criteria: StoppingCriteriaList) -> set[int] | None:
@@ -19,27 +21,25 @@ def plain_stop_token_ids(stopping_criteria: StoppingCriteriaList) -> set[int] | 
 
 
 class CallSequences:
-    """Left-padded prompts `input_ids` (padding marked by `prompt_mask`) growing to at most `max_length` tokens;
-    `spare` columns past it take a cycle's tokens before they are cut. Rows stop by `stopping_criteria`; a `streamer`
-    gets the steps as plain decoding sends them."""
+    """Left-padded prompts `input_ids` (padding marked by `prompt_mask`) growing to at most `max_length` tokens, kept
+    on the host (read from the device once, then from each cycle's read); rows stop by `stopping_criteria`; a
+    `streamer` gets the steps as plain decoding sends them."""
 
     def __init__(
         self,
         input_ids: torch.LongTensor,
         prompt_mask: torch.Tensor,
         max_length: int,
-        spare: int,
         pad_token_id: int,
         stopping_criteria: StoppingCriteriaList,
         streamer=None,
     ) -> None:
         batch, prompt_len = input_ids.shape
         self.batch, self.prompt_len, self.max_length, self.pad_token_id = batch, prompt_len, max_length, pad_token_id
-        width = max(max_length, prompt_len) + spare
-        self.tokens = torch.full((batch, width), pad_token_id, dtype=torch.long, device=input_ids.device)
-        self.tokens[:, :prompt_len] = input_ids
-        self.prompt_mask = prompt_mask
-        self.lengths = [prompt_len] * batch
+        self.device = input_ids.device
+        prompts = torch.cat([input_ids.long(), prompt_mask.long()], dim=1).tolist()  # the call's first read
+        self.tokens: list[list[int]] = [row[:prompt_len] for row in prompts]
+        self.padding = [prompt_len - sum(row[prompt_len:]) for row in prompts]  # prompt padding of each row
         self.finished = [False] * batch
         self.stopping_criteria = stopping_criteria
         self.stop_token_ids = plain_stop_token_ids(stopping_criteria)
@@ -52,35 +52,31 @@ class CallSequences:
         self.lookup_wins = [0] * batch
 
     def sequence(self, row: int) -> torch.LongTensor:
-        """The ids of `row` so far (prompt padding included)."""
-        return self.tokens[row, : self.lengths[row]]
+        """The ids of `row` so far (prompt padding included), on the device."""
+        return upload(self.tokens[row], self.device)
 
     def text(self, row: int) -> list[int]:
         """The tokens of `row` so far, prompt padding left out."""
-        padding = self.prompt_len - int(self.prompt_mask[row].sum())
-        return self.tokens[row, padding : self.lengths[row]].tolist()
+        return self.tokens[row][self.padding[row] :]
 
     def remaining(self, rows: list[int]) -> int:
         """Most tokens any of `rows` may still generate."""
-        return max(self.max_length - self.lengths[row] for row in rows)
+        return max(self.max_length - len(self.tokens[row]) for row in rows)
 
     def emit(self, row: int, tokens: list[int]) -> int:
         """Append `tokens` to `row` (cut at the length limit, and with only EOS / max-length criteria at the first
         EOS); returns how many were appended. Other criteria judge the rows later, column by column
         ([`judge_columns`])."""
-        start = self.lengths[row]
-        tokens = tokens[: self.max_length - start]
+        sequence = self.tokens[row]
+        tokens = tokens[: self.max_length - len(sequence)]
         stop = None
         if self.stop_token_ids is not None:  # only max-length / EOS criteria: each row is judged alone, at once
             stop = next((i for i, token in enumerate(tokens) if token in self.stop_token_ids), None)
             if stop is not None:
                 tokens = tokens[: stop + 1]
-        self.tokens[row, start : start + len(tokens)] = torch.tensor(
-            tokens, dtype=torch.long, device=self.tokens.device
-        )
-        self.lengths[row] = start + len(tokens)
-        self.finished[row] = stop is not None or self.lengths[row] >= self.max_length
-        return self.lengths[row] - start
+        sequence.extend(tokens)
+        self.finished[row] = stop is not None or len(sequence) >= self.max_length
+        return len(tokens)
 
     def record(self, row: int, emitted: int, block: int, width: int, lookup_won: bool) -> None:
         """One cycle's statistics of `row`: tokens emitted, its block size and verify width, whether a lookup path
@@ -90,29 +86,33 @@ class CallSequences:
         self.verify_widths[row].append(width)
         self.lookup_wins[row] += int(lookup_won)
 
+    def columns(self, width: int) -> list[list[int]]:
+        """The rows' first `width` tokens, rows that stopped padded."""
+        return [(row + [self.pad_token_id] * width)[:width] for row in self.tokens]
+
     def judge_columns(self) -> None:
         """Call general stopping criteria as plain `generate` does: once per generated column, on the whole batch
-        (rows that stopped padded), for every column all running rows have reached. A row found stopped at a column
-        loses the tokens it drafted past it (its statistics too)."""
+        (rows that stopped padded, on the device), for every column all running rows have reached. A row found
+        stopped at a column loses the tokens it drafted past it (its statistics too)."""
         if self.stop_token_ids is not None:
             return
         while True:
-            running = [row for row in range(self.batch) if not self.finished[row]]
-            reached = min(self.lengths[row] for row in running) if running else max(self.lengths)
+            lengths = [len(row) for row in self.tokens]
+            running = [length for length, done in zip(lengths, self.finished) if not done]
+            reached = min(running) if running else max(lengths)
             if self.judged >= reached:
                 return
             column = self.judged
-            stops = self.stopping_criteria(self.tokens[:, : column + 1], None)
+            stops = self.stopping_criteria(upload(self.columns(column + 1), self.device), None).tolist()
             for row in range(self.batch):  # rows that stopped at the length limit are judged up to it too
-                if self.lengths[row] > column and bool(stops[row]):
+                if lengths[row] > column and stops[row]:
                     self._truncate(row, column + 1)
             self.judged += 1
 
     def _truncate(self, row: int, length: int) -> None:
-        """End `row` at `length` tokens: later tokens become padding and leave the per-cycle statistics."""
-        extra = self.lengths[row] - length
-        self.tokens[row, length:] = self.pad_token_id
-        self.lengths[row] = length
+        """End `row` at `length` tokens: later tokens leave it and its per-cycle statistics."""
+        extra = len(self.tokens[row]) - length
+        del self.tokens[row][length:]
         self.finished[row] = True
         while extra > 0 and self.accepted_lengths[row]:
             last = self.accepted_lengths[row][-1]
@@ -125,13 +125,15 @@ class CallSequences:
 
     def stream(self) -> None:
         """Send the streamer the steps every row has reached, as plain decoding sends them: one `(batch,)` tensor
-        of token ids per step, the pad token in rows that have stopped."""
+        of token ids per step (on the host), the pad token in rows that have stopped."""
         if self.streamer is None:
             return
-        running = [length for length, done in zip(self.lengths, self.finished) if not done]
-        reached = min(running) if running else max(self.lengths)
+        lengths = [len(row) for row in self.tokens]
+        running = [length for length, done in zip(lengths, self.finished) if not done]
+        reached = min(running) if running else max(lengths)
+        steps = self.columns(reached)
         for column in range(self.streamed, reached):
-            self.streamer.put(self.tokens[:, column].cpu())
+            self.streamer.put(torch.tensor([row[column] for row in steps]))
         self.streamed = max(self.streamed, reached)
 
     def end_stream(self) -> None:
@@ -140,8 +142,5 @@ class CallSequences:
             self.streamer.end()
 
     def output(self) -> torch.LongTensor:
-        """The sequences, finished rows right-padded."""
-        sequences = self.tokens[:, : max(self.lengths)].clone()
-        for row, length in enumerate(self.lengths):
-            sequences[row, length:] = self.pad_token_id
-        return sequences
+        """The sequences on the device, finished rows right-padded."""
+        return upload(self.columns(max(len(row) for row in self.tokens)), self.device)

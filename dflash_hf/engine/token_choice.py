@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from .acceptance import greedy_accept, rejection_sample
+from .acceptance import greedy_accept, rejection_sample, sample
 from .draft_tree import SlotCandidates, corrected_logits
 from .processing import BlockLogitsProcessor
 
@@ -59,7 +59,7 @@ class TokenChoice:
         """The token every row gets from the prefill's last logits (processed, then argmax or sampled)."""
         scores = self.process(logits[:, None, :], rows, lambda: [self.sequence(row) for row in rows])[:, 0]
         if self.do_sample:
-            return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            return sample(torch.softmax(scores, dim=-1))
         return scores.argmax(dim=-1)
 
     def propose(
@@ -131,8 +131,7 @@ class TokenChoice:
             if not self.sample_slots:
                 return scores.argmax(dim=-1), None
             probs = torch.softmax(scores, dim=-1)
-            flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), num_samples=1)
-            return flat.view(probs.shape[:2]), probs
+            return sample(probs), probs
         return self._draft_in_order(draft_logits, rows, drafted)
 
     def _draft_in_order(self, draft_logits: torch.Tensor, rows: list[int], drafted: torch.LongTensor | None) -> Drafts:
@@ -148,7 +147,7 @@ class TokenChoice:
                 scores = self.process.for_row(row, prefix[None], draft_logits[i, slot][None])[0]
                 if self.sample_slots:
                     probs[i, slot] = torch.softmax(scores, dim=-1)
-                    tokens[i, slot] = torch.multinomial(probs[i, slot], num_samples=1)[0]
+                    tokens[i, slot] = sample(probs[i, slot])
                 else:
                     tokens[i, slot] = scores.argmax()
         return tokens, probs

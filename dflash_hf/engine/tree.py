@@ -17,26 +17,28 @@ import torch
 
 
 class TokenTrees(NamedTuple):
-    """A batch of token trees, each field `(batch, W)`: node ids, parent pointers (the root, node 0, is its own
+    """A batch of token trees, each tensor `(batch, W)`: node ids, parent pointers (the root, node 0, is its own
     parent), depths, whether a node is a real candidate (padding nodes never are) and whether it came from a lookup
-    continuation."""
+    continuation. The host knows their shape from building them: the deepest node's `depth` and each row's number of
+    real nodes (`widths`, the root included)."""
 
     ids: torch.LongTensor
     parents: torch.LongTensor
     depths: torch.LongTensor
     valid: torch.Tensor
     from_lookup: torch.Tensor
+    depth: int
+    widths: list[int]
 
 
-def ancestor_mask(parents: torch.LongTensor) -> torch.Tensor:
+def ancestor_mask(parents: torch.LongTensor, depth: int) -> torch.Tensor:
     """Node-to-node visibility `(batch, W, W)` of trees given by parent pointers `(batch, W)` (the root, node 0, is
-    its own parent): node `i` sees node `j` when `j` is `i` or one of its ancestors."""
+    its own parent) whose deepest node is at `depth`: node `i` sees node `j` when `j` is `i` or one of its
+    ancestors."""
     batch, width = parents.shape
     sees = torch.eye(width, dtype=torch.bool, device=parents.device).repeat(batch, 1, 1)
     node = torch.arange(width, device=parents.device).repeat(batch, 1)
-    for _ in range(width - 1):  # a path is at most W - 1 steps long
-        if not bool(node.any()):
-            break
+    for _ in range(depth):  # a path is at most `depth` steps long
         node = parents.gather(1, node)
         sees.scatter_(2, node[:, :, None], True)
     return sees
@@ -85,14 +87,16 @@ def accept_tree(
     depths: torch.LongTensor,
     valid: torch.Tensor,
     target_tokens: torch.LongTensor,
+    depth: int,
 ) -> PathAcceptance:
     """Greedy acceptance on trees given by parent pointers: a node is accepted when it is `valid`, its parent was
     accepted and its token is the target's argmax at its parent; the deepest accepted node wins (the first one in
-    node order among equals). All arguments are `(batch, W)`; node 0 is the root (its own parent)."""
+    node order among equals). All tensors are `(batch, W)`; node 0 is the root (its own parent); the deepest node is
+    at `depth`."""
     match = valid & (ids == target_tokens.gather(1, parents))
     match[:, 0] = True
     accepted = match
-    for _ in range(int(depths.max()) - 1):  # depth-1 nodes are right already; each pass settles one level more
+    for _ in range(depth - 1):  # depth-1 nodes are right already; each pass settles one level more
         accepted = match & accepted.gather(1, parents)
     best = torch.where(accepted, depths, -1).argmax(dim=1)
     length = depths.gather(1, best[:, None]).squeeze(1)
@@ -101,11 +105,11 @@ def accept_tree(
 
 
 def tree_path(parents: torch.LongTensor, best: torch.Tensor, accepted: torch.Tensor, width: int) -> torch.LongTensor:
-    """Node indices of each row's path from the root to `best` (`accepted` steps long), padded to `width` by
-    repeating `best` (the padding is masked out like any short row)."""
+    """Node indices of each row's path from the root to `best` (`accepted` steps long, fewer than `width`), padded to
+    `width` by repeating `best` (the padding is masked out like any short row)."""
     order = best[:, None].repeat(1, width)
     node = best
-    for step in range(int(accepted.max()) + 1):
+    for step in range(width):
         depth = (accepted - step).clamp_min(0)[:, None]
         on_path = (accepted >= step)[:, None]
         order.scatter_(1, depth, torch.where(on_path, node[:, None], order.gather(1, depth)))

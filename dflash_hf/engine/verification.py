@@ -19,7 +19,7 @@ from ..target import row_exact
 from ..target.adapter import TargetAdapter
 from ..target.windows import sliding_window_of
 from .candidates import Proposal, Verdict
-from .rows import ActiveRows, mask_or_none
+from .rows import ActiveRows
 from .token_choice import TokenChoice
 from .tree import accept_tree, ancestor_mask, tree_attention_mask, tree_path
 
@@ -59,35 +59,33 @@ class Verifier:
     def _chain(self, state: ActiveRows, block_pos: torch.LongTensor, proposal: Proposal) -> Verdict:
         block_ids = torch.cat([state.anchors[:, None], proposal.tokens], dim=1)
         with self.timer, row_exact.verification(self.row_exact):
-            mask = mask_or_none(state.mask, block_ids.shape[1])
+            mask = state.attention_mask(block_ids.shape[1])
             step = self.adapter.forward(block_ids, mask, block_pos, self.cache)
             target_logits = self.adapter.logits(step.last_hidden_state)
             accepted, next_tokens = self.choice.accept(
                 target_logits, block_ids, proposal.tokens, proposal.probs, state.rows
             )
-        kept = (accepted + 1).tolist()
-        return Verdict(accepted, next_tokens, step, proposal.tokens, [proposal.block] * len(kept), kept)
+        return Verdict(accepted, next_tokens, step, proposal.tokens, [proposal.block] * len(state.rows))
 
     def _trees(self, state: ActiveRows, block_pos: torch.LongTensor, proposal: Proposal) -> Verdict:
         trees = proposal.trees
         positions = block_pos[:, :1] + trees.depths
-        sees = ancestor_mask(trees.parents)
+        sees = ancestor_mask(trees.parents, trees.depth)
         with self.timer, row_exact.verification(self.row_exact):
             dtype = self.adapter.embed_tokens.weight.dtype
             mask = tree_attention_mask(state.mask, sees, dtype, positions, self.sliding_window)
             step = self.adapter.forward(trees.ids, mask, positions, self.cache)
             target_tokens = self.choice.node_tokens(self.adapter.logits(step.last_hidden_state), state.rows)
-        result = accept_tree(trees.ids, trees.parents, trees.depths, trees.valid, target_tokens)
-        order = tree_path(trees.parents, result.best, result.accepted, int(result.accepted.max()) + 1)
-        block_kept = result.node_accepted[:, 1 : proposal.block].sum(dim=1) + 1
+        result = accept_tree(trees.ids, trees.parents, trees.depths, trees.valid, target_tokens, trees.depth)
+        order = tree_path(trees.parents, result.best, result.accepted, trees.depth + 1)
         return Verdict(
             accepted=result.accepted,
             next_tokens=result.next_token,
             step=step,
             path=trees.ids.gather(1, order)[:, 1:],
-            widths=trees.valid.sum(dim=1).tolist(),
-            block_kept=block_kept.tolist(),
+            widths=trees.widths,
+            block_kept=result.node_accepted[:, 1 : proposal.block].sum(dim=1) + 1,
             order=order,
             node_accepted=result.node_accepted,
-            lookup_won=trees.from_lookup.gather(1, result.best[:, None]).squeeze(1).tolist(),
+            lookup_won=trees.from_lookup.gather(1, result.best[:, None]).squeeze(1),
         )

@@ -96,7 +96,7 @@ DEPTHS = [0, 1, 2, 1, 2, 2]
 
 
 def test_tree_mask_for_a_parent_list():
-    sees = ancestor_mask(torch.tensor([PARENTS]))
+    sees = ancestor_mask(torch.tensor([PARENTS]), max(DEPTHS))
     expected = [
         [1, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0],
@@ -130,7 +130,7 @@ def test_greedy_acceptance_follows_the_target_argmax_from_the_root():
             [21, 0, 0, 22, 40, 0],  # as row 0, but c is padding: nothing is accepted
         ]
     )
-    result = accept_tree(ids, parents, depths, valid, target)
+    result = accept_tree(ids, parents, depths, valid, target, max(DEPTHS))
     assert result.accepted.tolist() == [2, 2, 0] and result.best.tolist() == [4, 5, 0]
     assert result.next_token.tolist() == [40, 41, 21]
     assert result.node_accepted.int().tolist() == [[1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 0, 1], [1, 0, 0, 0, 0, 0]]
@@ -378,7 +378,7 @@ def test_row_exact_attention_gives_each_sequence_its_own_tree():
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(2, 2, 4, 8, generator=generator)
     key, value = torch.randn(2, 2, 7, 8, generator=generator), torch.randn(2, 2, 7, 8, generator=generator)
-    sees = ancestor_mask(torch.tensor([[0, 0, 0, 0], [0, 0, 1, 2]]))  # three children of the root; a chain
+    sees = ancestor_mask(torch.tensor([[0, 0, 0, 0], [0, 0, 1, 2]]), 3)  # three children of the root; a chain
     mask = tree_attention_mask(torch.ones(2, 3, dtype=torch.long), sees, torch.float32)
     with row_exact.verification():
         together = row_exact._row_exact_sdpa(module, query, key, value, mask)[0]

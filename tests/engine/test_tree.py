@@ -74,11 +74,12 @@ def test_lookup_branch_trees_mask_positions_and_acceptance():
         [1, 0, 0, 1, 1, 0],
         [1, 0, 0, 1, 1, 1],
     ]
-    assert ancestor_mask(trees.parents)[0].int().tolist() == expected
+    assert (trees.depth, trees.widths) == (3, [6, 3])
+    assert ancestor_mask(trees.parents, trees.depth)[0].int().tolist() == expected
     # target argmax per node: row 0 accepts 1 draft but 2 lookup tokens; row 1 has no lookup and accepts 2 drafts
     target = torch.tensor([[11, 0, 0, 32, 40, 0], [21, 22, 23, 0, 0, 0]])
     target[0, 0] = 31  # the root predicts the lookup branch's first token
-    result = accept_tree(trees.ids, trees.parents, trees.depths, trees.valid, target)
+    result = accept_tree(trees.ids, trees.parents, trees.depths, trees.valid, target, trees.depth)
     won = trees.from_lookup.gather(1, result.best[:, None]).squeeze(1)
     assert result.accepted.tolist() == [2, 2] and won.tolist() == [True, False]
     assert result.next_token.tolist() == [40, 23]

@@ -1,0 +1,180 @@
+"""The engine's device-to-host reads: at most one per cycle, whatever the candidates, batch, decoding or drafter.
+
+On a GPU every read of a tensor's values on the host (`tolist`, `item`, `bool(tensor)`, `int(tensor)`, `.cpu()`, ...)
+waits for all the work queued before it, and so does every op whose output shape depends on tensor values (`nonzero`,
+boolean-mask indexing, `multinomial`'s checks). The tests count both kinds on CPU while a generation call runs its
+cycles (Transformers' `generate` set-up and the call's checks before it are not the engine's), the prefill apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+import torch
+from testing_utils import left_padded, make_drafter, make_target
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dflash_hf
+from dflash_hf.engine import generation_call
+from dflash_hf.engine.draft_tree import DEFAULT_TREE_NODES
+
+# a cycle reads once: the accepted lengths, the committed tokens and the per-row flags, packed in one tensor
+READS_PER_CYCLE = 1
+# before its first cycle a call reads the special token ids its padding and stopping criteria hold (2), the prompts
+# with their masks (1) and the rows' first tokens (1); Transformers reads a padded prompt's mask twice more in the
+# prefill forward (to choose its attention kernel)
+SETUP_READS, PADDED_PROMPT_READS = 4, 2
+# a draft tree grows on the host: its search reads the drafter's top tokens per slot once, before the verify
+TREE_READS_PER_CYCLE = 2
+BLOCK = 4
+
+
+def markov_tree_reads(rows: int, block: int) -> int:
+    """With a Markov head a node's children follow its own token: a tree search reads them once per node it expands
+    (the chain's `block - 1` nodes, at most `DEFAULT_TREE_NODES` more per row), then the cycle reads its verdict."""
+    return 1 + rows * (block - 1 + DEFAULT_TREE_NODES)
+
+
+READ_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__index__", "__float__")
+aten = torch.ops.aten
+# ops whose result's shape (or validity check) depends on values: on a GPU they wait for the queue like a read
+VALUE_DEPENDENT_OPS = {
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten.repeat_interleave.Tensor,
+    aten.unique_consecutive.default,
+    aten._unique2.default,
+    aten.multinomial.default,
+}
+
+
+def _boolean_index(args) -> bool:
+    indices = args[1] if len(args) > 1 else None
+    return isinstance(indices, (list, tuple)) and any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
+    )
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the host reads made while `active`: the tensor methods that read values, and the value-dependent ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active = False
+        self.reads: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.active and (
+            func in VALUE_DEPENDENT_OPS
+            or (func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and _boolean_index(args))
+        ):
+            self.reads[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        before, self.active = self.active, True
+        try:
+            yield
+        finally:
+            self.active = before
+
+
+@contextlib.contextmanager
+def counted_reads(monkeypatch) -> Iterator[dict[str, Counter]]:
+    """Counts the host reads of every `GenerationCall` inside the block: `"prefill"` from the call's set-up to its
+    first tokens, `"cycles"` from there to its output, and the cycles run (`"count"`)."""
+    mode = HostReads()
+    tally = {"prefill": Counter(), "cycles": Counter(), "count": Counter()}
+
+    def reading(name):
+        real = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            if mode.active:
+                mode.reads[name] += 1
+            before, mode.active = mode.active, False  # what a read does inside is one read
+            try:
+                return real(self, *args, **kwargs)
+            finally:
+                mode.active = before
+
+        return read
+
+    for name in READ_METHODS:
+        monkeypatch.setattr(torch.Tensor, name, reading(name))
+    call = generation_call.GenerationCall
+    real_init, real_run, real_prefill, real_cycle = call.__init__, call.run, call._prefill, call._cycle
+
+    def counted(bucket, function, *args, **kwargs):
+        with mode.counting():
+            out = function(*args, **kwargs)
+        tally[bucket].update(mode.reads)
+        mode.reads.clear()
+        return out
+
+    def cycle(self, state):
+        tally["count"]["cycles"] += 1
+        return real_cycle(self, state)
+
+    monkeypatch.setattr(call, "__init__", lambda self, *a, **k: counted("prefill", real_init, self, *a, **k))
+    monkeypatch.setattr(call, "_prefill", lambda self: counted("prefill", real_prefill, self))
+    monkeypatch.setattr(call, "run", lambda self: counted("cycles", real_run, self))
+    monkeypatch.setattr(call, "_cycle", cycle)
+    with mode:
+        yield tally
+
+
+def _drafter(target, markov: bool):
+    if not markov:
+        return make_drafter(target, block_size=BLOCK)
+    drafter = make_drafter(target, block_size=BLOCK, markov_rank=8, markov_gated=True)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in drafter.markov_head.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 3.0)
+    return drafter
+
+
+def _prompts(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts of different lengths whose text repeats (so lookup continuations are found)."""
+    motifs = [[5, 9, 13, 17, 21], [7, 11, 30], [40, 41, 42, 43], [8, 19, 8, 23, 50, 51]]
+    return left_padded([(motifs[i] * 4)[: 9 + 3 * i] for i in range(batch)])
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target("llama")
+
+
+@pytest.mark.parametrize("markov", [False, True], ids=["plain-drafter", "markov-head"])
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("candidates", ["dflash", "dflash+lookup", "tree"])
+def test_a_cycle_reads_the_device_once(target, monkeypatch, candidates, batch, do_sample, markov):
+    drafter = _drafter(target, markov)
+    input_ids, attention_mask = _prompts(batch)
+    sampling = dict(do_sample=True, temperature=0.8, top_k=20) if do_sample else dict(do_sample=False)
+    torch.manual_seed(0)
+    with counted_reads(monkeypatch) as tally:
+        dflash_hf.generate(
+            target,
+            drafter,
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=20,
+            candidates=candidates,
+            eos_token_id=[99],  # no early stop: every row runs the same cycles
+            **sampling,
+        )
+    cycles = tally["count"]["cycles"]
+    assert cycles >= 4
+    padded = not bool(attention_mask.all())
+    assert sum(tally["prefill"].values()) <= SETUP_READS + PADDED_PROMPT_READS * padded, tally["prefill"]
+    bound = READS_PER_CYCLE
+    if candidates == "tree" and not do_sample:  # sampling verifies the chain
+        bound = markov_tree_reads(batch, BLOCK) if markov else TREE_READS_PER_CYCLE
+    assert sum(tally["cycles"].values()) <= bound * cycles, (dict(tally["cycles"]), cycles)
