@@ -50,6 +50,13 @@ def test_a_config_json_of_unbounded_sizes_is_refused_on_every_loading_path(saved
             load(saved)
 
 
+def test_a_config_json_nested_too_deeply_is_a_value_error_on_every_loading_path(saved):
+    (saved / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    for load in (DFlashConfig.from_pretrained, DFlashDraftModel.from_pretrained):
+        with pytest.raises(ValueError, match=r"config.json is nested too deeply to be a drafter's config"):
+            load(saved)
+
+
 def test_a_shard_index_naming_files_outside_the_folder_is_refused(saved, tmp_path):
     outside = tmp_path / "elsewhere.safetensors"
     (saved / "model.safetensors").rename(outside)

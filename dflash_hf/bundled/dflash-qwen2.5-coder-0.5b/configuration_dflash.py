@@ -328,6 +328,11 @@ class DFlashConfig(PreTrainedConfig):
                 raise ValueError(
                     f"{config_file} is not valid JSON ({err}): restore the drafter's config.json or re-export it."
                 ) from err
+            except RecursionError as err:
+                raise ValueError(
+                    f"{config_file} is nested too deeply to be a drafter's config: restore the drafter's config.json "
+                    "or re-export it."
+                ) from err
         config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
         return cls._dflash_config_dict(config_dict), kwargs
 
