@@ -1,9 +1,11 @@
-"""The engine's device-to-host reads: at most one per cycle, whatever the candidates, batch, decoding or drafter.
+"""The engine's device-to-host reads: one per cycle, whatever the batch, decoding or drafter (a draft tree's search
+reads the drafter's top tokens on top of it).
 
 On a GPU every read of a tensor's values on the host (`tolist`, `item`, `bool(tensor)`, `int(tensor)`, `.cpu()`, ...)
 waits for all the work queued before it, and so does every op whose output shape depends on tensor values (`nonzero`,
-boolean-mask indexing, `multinomial`'s checks). The tests count both kinds on CPU while a generation call runs its
-cycles (Transformers' `generate` set-up and the call's checks before it are not the engine's), the prefill apart.
+boolean-mask indexing, `multinomial`'s checks). The tests count both kinds on CPU while a generation call sets up and
+prefills, then while it runs its cycles (Transformers' `generate` set-up and the call's checks before it are not the
+engine's).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dflash_hf
 from dflash_hf.engine import generation_call
 from dflash_hf.engine.draft_tree import DEFAULT_TREE_NODES
+from dflash_hf.engine.oracle import OracleDrafts
 
 # a cycle reads once: the accepted lengths, the committed tokens and the per-row flags, packed in one tensor
 READS_PER_CYCLE = 1
@@ -178,3 +181,23 @@ def test_a_cycle_reads_the_device_once(target, monkeypatch, candidates, batch, d
     if candidates == "tree" and not do_sample:  # sampling verifies the chain
         bound = markov_tree_reads(batch, BLOCK) if markov else TREE_READS_PER_CYCLE
     assert sum(tally["cycles"].values()) <= bound * cycles, (dict(tally["cycles"]), cycles)
+
+
+@pytest.mark.parametrize("candidates", ["dflash", "dflash+lookup"])
+def test_a_cycle_with_oracle_drafts_reads_the_device_once(target, monkeypatch, candidates):
+    input_ids, attention_mask = _prompts(4)
+    plain = target.generate(input_ids, attention_mask=attention_mask, max_new_tokens=20, eos_token_id=[99])
+    oracle = OracleDrafts(plain[:, input_ids.shape[1] :], keep=0.7)
+    with counted_reads(monkeypatch) as tally:
+        dflash_hf.generate(
+            target,
+            _drafter(target, markov=False),
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=20,
+            candidates=candidates,
+            eos_token_id=[99],
+            oracle=oracle,
+        )
+    cycles = tally["count"]["cycles"]
+    assert cycles >= 4 and sum(tally["cycles"].values()) <= READS_PER_CYCLE * cycles, dict(tally["cycles"])
