@@ -14,7 +14,7 @@ threads="${THREADS:-2}"
 n_max="${N_MAX:-7}"
 here="$(cd "$(dirname "$0")" && pwd)"
 bin="$("$here/build_llama_cpp.sh" "$work")"
-drafter="$(python -c 'from dflash_hf.targets import bundled_drafter_dir; print(bundled_drafter_dir("smollm2-135m"))')"
+drafter="$(python -c 'from dflash_hf.drafters import bundled_drafter_dir; print(bundled_drafter_dir("smollm2-135m"))')"
 target="$(python -c 'from dflash_hf.targets import TARGETS; import tempfile, pathlib; print(TARGETS["smollm2-135m"].gguf_file(pathlib.Path(tempfile.mkdtemp())))')"
 dflash-hf export "$drafter" "$work/smollm2-dflash.gguf" --target smollm2-135m --format gguf \
     --gguf-type "${GGUF_TYPE:-f32}" --overwrite

@@ -13,7 +13,7 @@ if [ ! -x "$work/speculators-venv/bin/python" ]; then
     "$work/speculators-venv/bin/pip" install -q torch==2.13.0
     "$work/speculators-venv/bin/pip" install -q speculators==0.9.0
 fi
-drafter="$(python -c 'from dflash_hf.targets import bundled_drafter_dir; print(bundled_drafter_dir("smollm2-135m"))')"
+drafter="$(python -c 'from dflash_hf.drafters import bundled_drafter_dir; print(bundled_drafter_dir("smollm2-135m"))')"
 target="$(python -c 'from dflash_hf.targets import resolve_target_dir; print(resolve_target_dir("smollm2-135m"))')"
 for layout in dflash-hf official speculators; do
     dflash-hf export "$drafter" "$work/smollm2-$layout" --target smollm2-135m --format "$layout" --overwrite
