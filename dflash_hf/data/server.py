@@ -48,6 +48,9 @@ ANSWER_BYTES = 1 << 20
 ANSWER_BYTES_PER_TOKEN = 4096
 
 
+REDIRECTS = (301, 302, 303, 307, 308)
+
+
 class _Unredirected(urllib.request.HTTPRedirectHandler):
     """Follows no redirect: urllib then raises an `HTTPError` of the redirect's status."""
 
@@ -167,8 +170,10 @@ class ServerResponder:
         try:
             with _OPENER.open(request, timeout=self.timeout_s) as response:
                 return json.loads(self._read(response, path, deadline).decode("utf-8"))
+        except ServerError:
+            raise
         except urllib.error.HTTPError as err:
-            if 300 <= err.code < 400:
+            if err.code in REDIRECTS:
                 raise ServerError(
                     f"{self.url}{path} answered HTTP {err.code}, a redirect to {err.headers.get('Location')!r}: "
                     "llama-server, vLLM and SGLang never redirect, so it is not followed; point --server at the "
