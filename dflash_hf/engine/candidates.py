@@ -261,7 +261,7 @@ class DraftTreeCandidates:
         with self.chain.timer:
             draft_logits, hidden_states = self.chain.slots(state, block, block_pos)
             draft_logits, _ = finite_slots(draft_logits)
-            candidates = self.chain.choice.slot_candidates(draft_logits, hidden_states)
+            candidates = self.chain.choice.slot_candidates(draft_logits, hidden_states, state.anchors)
             trees = self.search.grow(state.anchor_ids, candidates, block - 1, lookups)
         if all(len(tree) == block for tree in trees):
             chains = upload([tree.tokens[1:] for tree in trees], block_pos.device)

@@ -150,7 +150,11 @@ class SlotCandidates:
     `(n, draft vocabulary)` into the processed distributions `(n, vocabulary)` the drafter proposes from, whose
     indices `token_ids` maps to target ids (`None`: they are target ids). With a `markov_head`, slot `d + 1`'s logits
     are corrected for the token of the node at depth `d` ([`corrected_logits`], `hidden_states` `(batch, slots,
-    hidden)`), so each node's children follow its own token; without one, every node at a depth has the same."""
+    hidden)`), so each node's children follow its own token; without one, every node at a depth has the same.
+
+    The children are read from the device at once: every slot's without a Markov head; with one and the rows'
+    `anchors`, those of every node whose parent is on the chain (the chain's own included); a node further off the
+    chain has its children read when the search reaches it."""
 
     def __init__(
         self,
@@ -160,6 +164,7 @@ class SlotCandidates:
         markov_head=None,
         hidden_states: torch.Tensor | None = None,
         top: int = TREE_CHILDREN,
+        anchors: torch.LongTensor | None = None,
     ) -> None:
         self.logits, self.probabilities, self.token_ids = logits, probabilities, token_ids
         self.markov_head, self.hidden_states = markov_head, hidden_states
@@ -167,17 +172,45 @@ class SlotCandidates:
         self._cache: dict[tuple[int, int, int], tuple[list[float], list[int]]] = {}
         if markov_head is None:
             batch, slots, _ = logits.shape
-            probs, tokens = self._top(logits.reshape(batch * slots, -1))
+            probs, tokens = self._read(*self._top(logits.reshape(batch * slots, -1)))
             for index, (p, t) in enumerate(zip(probs, tokens)):
                 self._cache[(index // slots, index % slots, -1)] = (p, t)
+        elif anchors is not None:
+            self._read_near_chain(anchors)
 
-    def _top(self, logits: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
-        """The top tokens and their probabilities of each row of `logits`, read from the device at once."""
+    def _top(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.LongTensor]:
+        """The top probabilities and tokens `(n, top)` of each row of `logits` `(n, draft vocabulary)`."""
         probs = self.probabilities(logits)
         values, indices = probs.topk(min(self.top, probs.shape[-1]), dim=-1)
-        tokens = indices if self.token_ids is None else self.token_ids[indices]
+        return values, indices if self.token_ids is None else self.token_ids[indices]
+
+    @staticmethod
+    def _read(values: torch.Tensor, tokens: torch.LongTensor) -> tuple[list, list]:
+        """`values` and `tokens` (same shape) read from the device at once, as lists."""
         values, tokens = torch.stack([values.double(), tokens.double()]).tolist()  # token ids are exact in float64
         return values, [[int(token) for token in row] for row in tokens]
+
+    def _corrected_top(self, depth: int, previous: torch.LongTensor) -> tuple[torch.Tensor, torch.LongTensor]:
+        """The top children `(batch, n, top)` of the nodes at `depth` holding `previous` `(batch, n)`."""
+        batch, n = previous.shape
+        logits = self.logits[:, depth, None].expand(-1, n, -1)
+        hidden = self.hidden_states[:, depth, None].expand(-1, n, -1)
+        values, tokens = self._top(corrected_logits(self.markov_head, logits, previous, hidden).flatten(0, 1))
+        return values.view(batch, n, -1), tokens.view(batch, n, -1)
+
+    def _read_near_chain(self, anchors: torch.LongTensor) -> None:
+        """With a Markov head: the children of every node whose parent is on the chain, slot by slot on the device
+        (each depth's nodes are the top children of the chain's node above), read at once."""
+        previous, depths, tables = anchors[:, None], [], []
+        for depth in range(self.logits.shape[1]):
+            values, tokens = self._corrected_top(depth, previous)
+            tables.append(torch.cat([previous[..., None].double(), values.double(), tokens.double()], dim=-1))
+            depths += [depth] * previous.shape[1]
+            previous = tokens[:, 0]  # the chain node's children: the next depth's nodes under the chain
+        top = tables[0].shape[-1] // 2
+        for row, entries in enumerate(torch.cat(tables, dim=1).tolist()):
+            for depth, (parent, *table) in zip(depths, entries):
+                self._cache[(row, depth, int(parent))] = (table[:top], [int(token) for token in table[top:]])
 
     def for_row(self, row: int) -> Children:
         """The [`Children`] function of batch row `row`'s tree."""
@@ -185,11 +218,11 @@ class SlotCandidates:
         def children(depth: int, token: int) -> tuple[list[float], list[int]]:
             key = (row, depth, -1 if self.markov_head is None else token)
             if key not in self._cache:
-                previous = torch.tensor([token], device=self.logits.device)
+                previous = upload([token], self.logits.device)
                 logits = corrected_logits(
                     self.markov_head, self.logits[row, depth][None], previous, self.hidden_states[row, depth][None]
                 )
-                probs, tokens = self._top(logits)
+                probs, tokens = self._read(*self._top(logits))
                 self._cache[key] = (probs[0], tokens[0])
             return self._cache[key]
 

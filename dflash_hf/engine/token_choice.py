@@ -157,9 +157,12 @@ class TokenChoice:
         full = draft_logits.new_full((*draft_logits.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.draft_token_ids, draft_logits)
 
-    def slot_candidates(self, draft_logits: torch.Tensor, hidden_states: torch.Tensor) -> SlotCandidates:
-        """The children of the draft trees' nodes: each slot's top tokens under the processed distribution the chain
-        drafts its argmax from ([`draft_tokens`]), through the Markov head when the drafter has one."""
+    def slot_candidates(
+        self, draft_logits: torch.Tensor, hidden_states: torch.Tensor, anchors: torch.LongTensor
+    ) -> SlotCandidates:
+        """The children of the draft trees' nodes (the trees rooted at `anchors`): each slot's top tokens under the
+        processed distribution the chain drafts its argmax from ([`draft_tokens`]), through the Markov head when the
+        drafter has one."""
         reduced = self.draft_token_ids is not None and self.process.is_identity
 
         def probabilities(logits: torch.Tensor) -> torch.Tensor:
@@ -168,7 +171,7 @@ class TokenChoice:
             return torch.softmax(self.process(logits[:, None], [], lambda: [])[:, 0], dim=-1)
 
         token_ids = self.draft_token_ids if reduced else None
-        return SlotCandidates(draft_logits, probabilities, token_ids, self.markov_head, hidden_states)
+        return SlotCandidates(draft_logits, probabilities, token_ids, self.markov_head, hidden_states, anchors=anchors)
 
     def accept(
         self,
