@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The GPU tables of docs/results.md and docs/training.md, on one CUDA GPU, from the repository's root:
+#
+#   bash examples/gpu/reproduce.sh [OUT]          # OUT defaults to gpu-results
+#
+# 1. oracle: the engine's ceiling at a real size: a random-weight Qwen3-8B-shaped target built on the GPU (nothing to
+#    download), plain greedy against oracle rows (drafts replaying plain greedy's own output, each slot kept with
+#    probability P) at B=16, with the cost model's prediction beside each measured speedup;
+# 2. pair: the bundled SmolLM2-135M pair in bf16 and float32: every engine row against plain greedy, each row's tokens
+#    identical to plain greedy and its first difference;
+# 3. train: the trainer's throughput (anchor-blocks per second, peak memory) against batch size, online features, bf16;
+# then docs/results.md's tables of those runs (OUT/results.md).
+#
+# Every setting below can be changed from the environment (e.g. BATCH_SIZES="32 64", SECONDS_PER_RUN=120, PARTS=train
+# to run part 3 alone); a smoke run on a CPU: DEVICE=cpu BIG_TARGET=random:tiny-qwen3 PROMPTS=2 TOKENS=8
+# BATCH_SIZES=2 SECONDS_PER_RUN=5 TRAIN_ROWS=16.
+set -euo pipefail
+
+OUT=${1:-gpu-results}
+DEVICE=${DEVICE:-cuda}
+BIG_TARGET=${BIG_TARGET:-random:qwen3-8b}
+PROMPTS=${PROMPTS:-6}
+TOKENS=${TOKENS:-128}
+ORACLE=${ORACLE:-1.0,0.8,0.6}
+BATCH_SIZES=${BATCH_SIZES:-"16 32 64 128"}
+ANCHORS=${ANCHORS:-48}
+SECONDS_PER_RUN=${SECONDS_PER_RUN:-90}
+TRAIN_ROWS=${TRAIN_ROWS:-4096}
+PARTS=${PARTS:-"oracle pair train"}
+mkdir -p "$OUT"
+
+runs() { [[ " $PARTS " == *" $1 "* ]]; }  # whether part $1 runs
+
+bench() {  # the shared flags of every bench run here
+    dflash-hf bench --device "$DEVICE" --prompts humaneval --num-prompts "$PROMPTS" --max-new-tokens "$TOKENS" \
+        --no-progress "$@"
+}
+
+# 1. the ceiling: oracle rows at B=16 on the 8B-shaped target (no drafter rows: a random drafter accepts nothing)
+if runs oracle; then
+    bench --target "$BIG_TARGET" --dtype bfloat16 --block-sizes 16 --oracle "$ORACLE" --no-adaptive \
+        --skip dflash,prompt_lookup,native_dflash --out "$OUT/oracle-$(echo "$BIG_TARGET" | tr ':' '-')"
+fi
+
+# 2. the bundled SmolLM2 pair, bf16 then float32
+if runs pair; then
+    for dtype in bfloat16 float32; do
+        bench --target smollm2-135m --dtype "$dtype" --block-sizes 4,8 --out "$OUT/smollm2-135m-$dtype"
+    done
+fi
+
+# 3. the trainer against batch size: the bundled drafter continued on the committed SmolLM2 rows, online features
+#    (make-data with the folder's own row count rebuilds its `dataset/` from the committed parts, generating nothing)
+if runs train; then
+    dflash-hf make-data --target smollm2-135m --out data/smollm2-135m/regen --max-new-tokens 192 \
+        --max-prompt-tokens 192 --batch-size 48 --max-samples 12981 --device "$DEVICE" --quiet
+    for batch in $BATCH_SIZES; do
+        dflash-hf train --config examples/recipes/smollm2-135m.yaml --drafter dflash_hf/bundled/dflash-smollm2-135m \
+            --eval_data "" --features online --bf16 true --use_cpu "$([ "$DEVICE" = cpu ] && echo true || echo false)" \
+            --per_device_train_batch_size "$batch" --num_anchors "$ANCHORS" --skip_train_samples 0 \
+            --max_train_samples "$TRAIN_ROWS" --max_steps 100000 --max_train_seconds "$SECONDS_PER_RUN" \
+            --eval_strategy no --load_best_model_at_end false --save_strategy no --logging_steps 10 \
+            --output_dir "$OUT/train-b$batch" --export_dir "$OUT/train-b$batch/final"
+    done
+    python3 - "$OUT" $BATCH_SIZES <<'TABLE'
+import json
+import sys
+from pathlib import Path
+
+out, batches = Path(sys.argv[1]), sys.argv[2:]
+lines = ["| batch | steps | anchor-blocks/s | peak memory (GB) |", "|---:|---:|---:|---:|"]
+for batch in batches:
+    summary = json.loads((out / f"train-b{batch}" / "train_summary.json").read_text())
+    lines.append(
+        f"| {batch} | {summary['global_step']} | {summary['anchor_blocks_per_second']} "
+        f"| {summary['peak_device_memory_gb']} |"
+    )
+(out / "train-throughput.md").write_text("\n".join(lines) + "\n")
+print("\n".join(lines))
+TABLE
+fi
+
+# the results page of these runs
+dflash-hf results-doc "$OUT" --out "$OUT/results.md"
