@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,39 @@ def bundled_drafter_dir(target_name: str) -> Path:
     return Path(__file__).resolve().parent / "bundled" / f"dflash-{target_name}"
 
 
+@dataclass(frozen=True)
+class EngineDefaults:
+    """The engine settings of a bundled pair: what `dflash-hf generate` runs with the bundled drafter when no flag
+    says otherwise. Chosen from the pair's committed bench runs ([`BUNDLED_BENCH_RUNS`]): of the engine's rows, the one
+    whose slowest speedup over plain greedy across those runs is the highest (`tests/test_drafters.py` checks the
+    choice against the runs), so a drafter that does not pay yet on its own runs its target no slower than plain
+    decoding: the adaptive block size takes plain steps where a block loses."""
+
+    block_size: int | str
+    candidates: str
+
+
+BUNDLED_ENGINE_DEFAULTS: dict[str, EngineDefaults] = {
+    "smollm2-135m": EngineDefaults(block_size=4, candidates="dflash+lookup"),
+    "gemma3-270m": EngineDefaults(block_size=4, candidates="dflash+lookup"),
+    "qwen2.5-coder-0.5b": EngineDefaults(block_size="adaptive", candidates="dflash"),
+}
+"""[`EngineDefaults`] of each target with a bundled drafter."""
+
+# the bench runs (under docs/bench/) each pair's defaults were chosen from
+BUNDLED_BENCH_RUNS: dict[str, tuple[str, ...]] = {
+    "smollm2-135m": ("draft-tree/humaneval", "draft-tree/sharegpt", "draft-tree/suite"),
+    "gemma3-270m": ("gemma3-270m/humaneval", "gemma3-270m/sharegpt"),
+    "qwen2.5-coder-0.5b": ("qwen2.5-coder-0.5b/suite", "qwen2.5-coder-0.5b/sharegpt"),
+}
+
+
+def engine_defaults(target: str, drafter: str | os.PathLike | None) -> EngineDefaults | None:
+    """The bundled pair's [`EngineDefaults`] when `drafter` is `None` (the bundled drafter of the named `target`),
+    else `None`: another drafter runs with the engine's own defaults."""
+    return BUNDLED_ENGINE_DEFAULTS.get(str(target)) if drafter is None else None
+
+
 def resolve_drafter_dir(target: str, drafter: Path | None) -> Path:
     """The drafter folder to use: `drafter` when given, else the one bundled for the named `target`.
 
@@ -178,10 +212,14 @@ def load_drafter(drafter_dir: str | os.PathLike, target: PreTrainedModel) -> DFl
 
 
 __all__ = [
+    "BUNDLED_BENCH_RUNS",
+    "BUNDLED_ENGINE_DEFAULTS",
+    "EngineDefaults",
     "bundled_drafter_dir",
     "check_drafter_folder",
     "check_weights",
     "drafter_source",
+    "engine_defaults",
     "load_drafter",
     "read_config_dict",
     "resolve_drafter_dir",

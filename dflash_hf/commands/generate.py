@@ -19,7 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
 
 from .. import mkl_choice
 from ..data.prompts import encode_prompt
-from ..drafters import resolve_drafter_dir
+from ..drafters import engine_defaults, resolve_drafter_dir
 from ..engine.acceptance import DEFAULT_SAMPLING_PROPOSAL, SAMPLING_PROPOSALS
 from ..engine.candidates import CANDIDATE_SOURCES, DEFAULT_CANDIDATES, CandidatePlan
 from ..engine.checks import MAX_LOOKUP_TOKENS, check_context_length
@@ -43,7 +43,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=128, help="Most new tokens to generate (default: 128).")
     parser.add_argument(
-        "--block-size", type=int, default=None, help="Block size, at most the drafter's (default: the drafter's)."
+        "--block-size",
+        type=_block_size,
+        default=None,
+        help="Block size, at most the drafter's, or adaptive (chosen per cycle, plain steps included) (default: the "
+        "bundled pair's setting with the bundled drafter, else the drafter's block size).",
     )
     parser.add_argument(
         "--no-chat-template", action="store_true", help="Tokenize the prompt as plain text even if a template exists."
@@ -56,8 +60,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--candidates",
         choices=CANDIDATE_SOURCES,
-        default=DEFAULT_CANDIDATES,
-        help="dflash+lookup (default): also verify a prompt-lookup continuation in the same target forward (greedy "
+        default=None,
+        help="dflash+lookup (the default, except where the bundled pair's setting says otherwise): also verify a prompt-lookup continuation in the same target forward (greedy "
         "only); dflash: the DFlash block alone; tree: a draft tree over the drafter's likeliest tokens per slot and "
         "the lookup continuation, as wide as it pays on this machine (greedy only).",
     )
@@ -131,6 +135,32 @@ def _timed(device: torch.device, fn: Callable[[], T]) -> tuple[T, float]:
     return result, stopwatch.total
 
 
+def _block_size(value: str) -> int | str:
+    """`argparse` type of `--block-size`: an int, or `adaptive`."""
+    if value == "adaptive":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int or 'adaptive', got {value!r}") from None
+
+
+def _engine_settings(args: argparse.Namespace, trained_block_size: int) -> tuple[int | str | None, str, str]:
+    """`(block_size, candidates, why)`: the flags, else the bundled pair's defaults (`drafters.engine_defaults`),
+    else the engine's own; a `ValueError` for a block size the drafter was not trained for."""
+    if isinstance(args.block_size, int) and not 2 <= args.block_size <= trained_block_size:
+        raise ValueError(
+            f"--block-size must be between 2 and the drafter's block size {trained_block_size} (or adaptive), "
+            f"got {args.block_size}."
+        )
+    pair = engine_defaults(args.target, args.drafter)
+    block_size = args.block_size if args.block_size is not None else (pair.block_size if pair else None)
+    candidates = args.candidates or (pair.candidates if pair else DEFAULT_CANDIDATES)
+    given = args.block_size is not None and args.candidates is not None
+    why = "as asked" if given or pair is None else f"the {args.target} pair's defaults where no flag is given"
+    return block_size, candidates, why
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the `generate` sub-command; returns the exit code."""
     if args.max_new_tokens < 1:
@@ -144,20 +174,16 @@ def run(args: argparse.Namespace) -> int:
     setup_cpu(args, device)
 
     drafter_config = DFlashConfig.from_pretrained(drafter_dir)
-    if args.block_size is not None and not 2 <= args.block_size <= drafter_config.block_size:
-        raise ValueError(
-            f"--block-size must be between 2 and the drafter's block size {drafter_config.block_size}, "
-            f"got {args.block_size}."
-        )
-
-    max_block = args.block_size or int(drafter_config.block_size)
+    block_size, candidates, why = _engine_settings(args, int(drafter_config.block_size))
+    max_block = block_size if isinstance(block_size, int) else int(drafter_config.block_size)
     greedy = not sampling.get("do_sample", False)
-    widest = CandidatePlan(args.candidates, max_block, args.lookup_tokens, tree_verify=greedy).verify_width
+    widest = CandidatePlan(candidates, max_block, args.lookup_tokens, tree_verify=greedy).verify_width
     target, tokenizer, drafter, precision = load_models(args.target, drafter_dir, device, args.dtype, max_block, widest)
     inputs = _encode(tokenizer, args.prompt, use_template=not args.no_chat_template)
     inputs = {key: value.to(device) for key, value in inputs.items()}
     check_context_length(target, inputs["input_ids"].shape[1], args.max_new_tokens)  # before any forward on the prompt
     print(f"precision: {precision}", file=sys.stderr, flush=True)
+    print(f"engine: block size {block_size or max_block}, candidates {candidates} ({why})", file=sys.stderr, flush=True)
     if device.type == "cpu":
         print(f"kernels: {mkl_mode()} ({mkl_choice.reason()})", file=sys.stderr, flush=True)
     common = dict(max_new_tokens=args.max_new_tokens, **sampling)
@@ -166,8 +192,8 @@ def run(args: argparse.Namespace) -> int:
     # selection, oneDNN weight packing); both timed runs below are warm
     warmup_ids = inputs["input_ids"][:, :WARMUP_PROMPT_TOKENS]
     generate(
-        target, drafter, warmup_ids, max_new_tokens=2, do_sample=False, block_size=args.block_size,
-        candidates=args.candidates, lookup_tokens=args.lookup_tokens,
+        target, drafter, warmup_ids, max_new_tokens=2, do_sample=False, block_size=block_size,
+        candidates=candidates, lookup_tokens=args.lookup_tokens,
     )  # fmt: skip
 
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -178,11 +204,11 @@ def run(args: argparse.Namespace) -> int:
             drafter,
             inputs["input_ids"],
             attention_mask=inputs.get("attention_mask"),
-            block_size=args.block_size,
+            block_size=block_size,
             streamer=streamer,
             return_dict_in_generate=True,
             sampling_proposal=args.sampling_proposal,
-            candidates=args.candidates,
+            candidates=candidates,
             lookup_tokens=args.lookup_tokens,
             **common,
         ),
