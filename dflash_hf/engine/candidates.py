@@ -120,18 +120,18 @@ class Verdict(NamedTuple):
         kept = self.accepted + 1
         block_kept = kept if self.block_kept is None else self.block_kept
         lookup_won = torch.zeros_like(kept) if self.lookup_won is None else self.lookup_won
-        counts = torch.stack([kept, block_kept, lookup_won.long(), self.next_tokens], dim=1)
         nodes = self.path[:, :0] if self.node_accepted is None else self.node_accepted
-        packed = torch.cat([counts.long(), self.path.long(), nodes.long()], dim=1).tolist()
-        paths = [row[4 : 4 + self.path.shape[1]] for row in packed]
+        columns = [kept[:, None], block_kept[:, None], lookup_won[:, None], self.next_tokens[:, None], self.path, nodes]
+        packed = torch.cat([column.long() for column in columns], dim=1).tolist()
+        width = self.path.shape[1]
         return Readout(
             kept=[row[0] for row in packed],
             block_kept=[row[1] for row in packed],
             lookup_won=[bool(row[2]) for row in packed],
-            tokens=[path[: row[0] - 1] + [row[3]] for row, path in zip(packed, paths)],
+            tokens=[row[4 : 4 + row[0] - 1] + [row[3]] for row in packed],
             node_accepted=None
             if self.node_accepted is None
-            else [[bool(node) for node in row[4 + self.path.shape[1] :]] for row in packed],
+            else [[bool(node) for node in row[4 + width :]] for row in packed],
         )
 
 
