@@ -4,7 +4,8 @@ Transformers' own methods (`greedy`, `prompt_lookup`, `native_dflash`) are measu
 ([`TargetWatch`]); this package's engine reports its own statistics. Where the engine computes some of the target's
 own layers with faster kernels than `target.generate` (a prepacked LM head in float32 on CPU),
 `greedy_engine_kernels` is plain greedy decoding with those kernels, so that the gain from kernels and the gain from
-speculation can be told apart. docs/design.md ("Benchmark") says how every
+speculation can be told apart. On a GPU, `greedy_static` is plain greedy with a static cache, whose decoding step
+Transformers compiles (CUDA graphs): the fast baseline a GPU user has without a drafter. docs/design.md ("Benchmark") says how every
 number is derived.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 from transformers import PreTrainedModel
+from transformers.cache_utils import StaticCache
 
 from ..engine.acceptance import SAMPLING_PROPOSALS
 from ..engine.candidates import CandidatePlan
@@ -26,9 +28,11 @@ from ..engine.oracle import OracleDrafts
 from ..modeling import DFlashDraftModel
 from ..runtime import Stopwatch
 from ..target.adapter import engine_kernels, uses_engine_kernels
+from ..transformers_compat import cache_keyword
 from .target_watch import TargetWatch
 
 DEFAULT_BLOCK_SIZES = (4, 8, 16)
+STATIC_CACHE_MIN_LENGTH = 2048  # the static baseline's cache: every prompt of a usual bench fits one cache
 
 
 @dataclass
@@ -127,6 +131,39 @@ def _transformers_runner(
     return run
 
 
+def _static_cache_runner(target: PreTrainedModel) -> MethodRunner:
+    """Runner for plain greedy `target.generate` with a static cache, which Transformers compiles on a GPU (its own
+    criteria: a CUDA target and a compileable cache): the fast baseline. One `StaticCache` serves every call, reset
+    in between and replaced only by a longer one, so the compiled decoding step keeps its shapes from the warm-up on.
+    Timed from outside only: hooks inside the compiled step would break its graph."""
+    held: list[StaticCache] = []
+
+    def run(input_ids: torch.LongTensor, max_new_tokens: int) -> MethodRun:
+        needed = input_ids.shape[1] + max_new_tokens
+        if not held or held[0].get_max_length() < needed:
+            held[:] = [StaticCache(config=target.config, max_cache_len=_static_cache_length(needed))]
+        cache = held[0]
+        cache.reset()
+        with Stopwatch(input_ids.device) as stopwatch:
+            sequences = target.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                **{cache_keyword(target.forward): cache},
+            )
+        new_tokens = sequences[0, input_ids.shape[1] :].tolist()
+        return MethodRun(new_tokens=new_tokens, seconds=stopwatch.total, accepted_lengths=[1] * (len(new_tokens) - 1))
+
+    return run
+
+
+def _static_cache_length(needed: int) -> int:
+    """The length of a static cache for a call of `needed` positions: a power of two of at least
+    [`STATIC_CACHE_MIN_LENGTH`], so a bench's prompts share one cache (one compiled shape)."""
+    return max(STATIC_CACHE_MIN_LENGTH, 1 << (needed - 1).bit_length())
+
+
 def _engine_runner(
     target: PreTrainedModel,
     drafter: DFlashDraftModel,
@@ -182,6 +219,7 @@ def default_methods(
     lookup_branch: bool = True,
     lookup_tokens: Sequence[int] = (),
     draft_tree: bool = True,
+    static_baseline: bool | None = None,
 ) -> list[BenchMethod]:
     """The methods of the module docstring, in order; engine block sizes above the drafter's trained one are left out.
 
@@ -197,12 +235,15 @@ def default_methods(
             (`lookup_tokens=N`; the default row's branch has the engine's default length, `lookup_branch_length`).
         draft_tree: Include our engine with a draft tree (`candidates="tree"`) at the smallest and the largest block
             size.
+        static_baseline: Include `greedy_static`, plain greedy with a static cache, which Transformers compiles on a
+            GPU (the fast baseline there); `None`: on a CUDA target.
     """
     if prompt_lookup_num_tokens < 1:
         raise ValueError(f"prompt_lookup_num_tokens must be >= 1, got {prompt_lookup_num_tokens}.")
     sizes = _checked_sizes(drafter, block_sizes, lookup_tokens)
     trained = int(drafter.config.block_size)
-    rows = _transformers_rows(uses_engine_kernels(target), trained, prompt_lookup_num_tokens)
+    static = target.device.type == "cuda" if static_baseline is None else static_baseline
+    rows = _transformers_rows(uses_engine_kernels(target), static, trained, prompt_lookup_num_tokens)
     rows += _engine_rows(sizes, trained, adaptive, lookup_branch, [int(n) for n in lookup_tokens], draft_tree)
     return [_method(target, drafter, row) for row in rows]
 
@@ -358,6 +399,16 @@ class _Drafter:
 _DRAFTER = _Drafter()
 
 
+class _StaticCache:
+    """Stands for the static baseline's cache among its `generate` arguments."""
+
+    def __repr__(self) -> str:
+        return "StaticCache(...)"
+
+
+_STATIC_CACHE = _StaticCache()
+
+
 @dataclass(frozen=True)
 class _Oracle:
     """Stands for an oracle row's [`OracleDrafts`] among its `generate` arguments (the reference is each prompt's)."""
@@ -371,14 +422,15 @@ class _Oracle:
 _UNFILTERED = {"top_k": None, "top_p": None}  # sampling from the whole distribution, whatever the generation config
 
 
-def _transformers_rows(kernels: bool, trained: int, prompt_lookup_num_tokens: int) -> list[_Row]:
-    """Plain greedy (also with the engine's kernels where the target uses any), prompt lookup and Transformers'
-    DFlash with a drafter trained on blocks of `trained`."""
+def _transformers_rows(kernels: bool, static: bool, trained: int, prompt_lookup_num_tokens: int) -> list[_Row]:
+    """Plain greedy (also with the engine's kernels where the target uses any, and with a static cache where
+    `static`), prompt lookup and Transformers' DFlash with a drafter trained on blocks of `trained`."""
     k = prompt_lookup_num_tokens
     greedy = {"do_sample": False}
     rows = [
         _Row("greedy", "plain greedy", greedy, engine=False),
         _Row("greedy_engine_kernels", "plain greedy, engine kernels", greedy, engine=False, kernels=True),
+        _Row("greedy_static", "plain greedy, static cache", {**greedy, "cache": _STATIC_CACHE}, engine=False),
         _Row("prompt_lookup", f"prompt lookup (k={k})", {"prompt_lookup_num_tokens": k}, engine=False),
         _Row(
             "native_dflash",
@@ -388,7 +440,7 @@ def _transformers_rows(kernels: bool, trained: int, prompt_lookup_num_tokens: in
             block_size=trained,
         ),
     ]
-    return [row for row in rows if kernels or not row.kernels]
+    return [row for row in rows if (kernels or not row.kernels) and (static or row.name != "greedy_static")]
 
 
 def _engine_rows(
@@ -431,6 +483,9 @@ def _method(target: PreTrainedModel, drafter: DFlashDraftModel, row: _Row) -> Be
         keep = None if oracle is None else oracle.keep
         runner = _engine_runner(target, drafter, arguments.pop("block_size"), oracle_keep=keep, **arguments)
         description = f"dflash_hf.generate({shown})"
+    elif _STATIC_CACHE in row.generate.values():
+        runner = _static_cache_runner(target)
+        description = f"target.generate({shown}), compiled by Transformers where it compiles (CUDA)"
     else:
         watched = drafter if _DRAFTER in row.generate.values() else None
         runner = _transformers_runner(target, watched, row.kernels, **arguments)

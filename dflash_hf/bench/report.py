@@ -14,6 +14,9 @@ from .results import BenchResult, as_document
 
 JSON_NAME = "bench.json"
 KERNEL_BASELINE = "greedy_engine_kernels"
+STATIC_BASELINE = "greedy_static"
+# the further baselines a run may hold, each a column of every method's speedup over it
+BASELINE_COLUMNS = {KERNEL_BASELINE: "vs greedy with engine kernels", STATIC_BASELINE: "vs static-cache greedy"}
 MARKDOWN_NAME = "bench.md"
 
 
@@ -47,17 +50,18 @@ def markdown_table(result: BenchResult | dict[str, Any] | str | os.PathLike) -> 
     """The per-method results as a Markdown table (from a result, its JSON document, or the path of `bench.json`).
 
     When the run has plain greedy decoding with the engine's kernels, a column gives every method's speedup over
-    that baseline too (the gain from speculation alone); when a method verified a prompt-lookup branch, a last column
+    that baseline too (the gain from speculation alone), and so does plain greedy with a static cache (compiled where
+    Transformers compiles it: the fast baseline of a GPU); when a method verified a prompt-lookup branch, a last column
     says in how many cycles that branch was the accepted one. A run that recorded the tokens verified per cycle also
     shows the mean verify width and the acceptance rate of draft slots 1-3. A run that measured a cost profile gives
     the cost model's speedup of every drafting method beside the measured one (`predicted`)."""
     document = as_document(result)
-    kernels = next((m for m in document["methods"] if m["name"] == KERNEL_BASELINE), None)
-    kernel_rate = kernels["summary"]["tokens_per_s"] if kernels else None
+    rates = {m["name"]: m["summary"]["tokens_per_s"] for m in document["methods"]}
+    baselines = [(name, heading) for name, heading in BASELINE_COLUMNS.items() if rates.get(name)]
     lookups = any(m["summary"].get("lookup_win_rate") is not None for m in document["methods"])
     widths = any(m["summary"].get("mean_verify_width") is not None for m in document["methods"])
     predicted = any(m["summary"].get("predicted_speedup") is not None for m in document["methods"])
-    extra = (" vs greedy with engine kernels |", "---:|") if kernel_rate else ("", "")
+    extra = ("".join(f" {heading} |" for _, heading in baselines), "---:|" * len(baselines))
     if lookups:
         extra = (extra[0] + " lookup branch won |", extra[1] + "---:|")
     columns = (" verify width | slots 1/2/3 accepted |", "---:|---:|") if widths else ("", "")
@@ -84,9 +88,9 @@ def markdown_table(result: BenchResult | dict[str, Any] | str | os.PathLike) -> 
             f"| {_fmt(summary['speedup'], suffix='x')} |{model_cell} {_fmt(summary['draft_ms_per_cycle'], 1)} "
             f"| {_fmt(summary['verify_ms_per_cycle'], 1)} | {exact} |"
         )
-        if kernel_rate:
+        for name, _ in baselines:
             rate = summary["tokens_per_s"]
-            line += f" {_fmt(rate / kernel_rate if rate else None, suffix='x')} |"
+            line += f" {_fmt(rate / rates[name] if rate else None, suffix='x')} |"
         if lookups:
             rate = summary.get("lookup_win_rate")
             line += f" {'-' if rate is None else f'{100 * rate:.0f}% of cycles'} |"
@@ -275,7 +279,7 @@ def card_metrics(
         summary, name = method["summary"], method["name"]
         if not name.endswith(suffix) or (tag is None and "@" in name):
             continue
-        if name.removesuffix(suffix) in ("greedy", KERNEL_BASELINE, "prompt_lookup") or summary["exact"] is None:
+        if name.removesuffix(suffix) in ("greedy", *BASELINE_COLUMNS, "prompt_lookup") or summary["exact"] is None:
             continue
         label = method["label"].removesuffix(f" [{tag}]")
         block = (

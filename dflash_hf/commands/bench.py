@@ -36,7 +36,7 @@ from . import (
     setup_cpu,
 )
 
-SKIPPABLE = ("prompt_lookup", "native_dflash", "greedy_engine_kernels", "dflash")
+SKIPPABLE = ("prompt_lookup", "native_dflash", "greedy_engine_kernels", "greedy_static", "dflash")
 ENGINE_ROWS = "dflash"  # --skip's name for the engine rows of the run's drafter (dflash_*)
 _WITH_LLAMA_CPP = {"with": "llama_cpp"}  # recorded only with --llama-cpp
 
@@ -166,8 +166,9 @@ class BenchSettings:
     skip: str = field(
         default="",
         metadata={
-            "help": "Comma-separated methods to leave out: prompt_lookup, native_dflash, greedy_engine_kernels, dflash "
-            "(the engine's rows with the run's drafter; oracle rows stay). Plain greedy always runs."
+            "help": "Comma-separated methods to leave out: prompt_lookup, native_dflash, greedy_engine_kernels, "
+            "greedy_static (plain greedy with a static cache, compiled by Transformers: a CUDA target's fast baseline), "
+            "dflash (the engine's rows with the run's drafter; oracle rows stay). Plain greedy always runs."
         },
     )
     prompt_lookup_tokens: int = field(default=10, metadata={"help": "prompt_lookup_num_tokens (default: 10)."})

@@ -11,8 +11,10 @@ import numpy
 import pytest
 import torch
 from testing_utils import make_drafter, make_llama, make_oracle, make_target, make_word_tokenizer, save_tiny_target
+from transformers.cache_utils import StaticCache
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, bench, cli, runtime
+from dflash_hf.bench import methods as bench_methods
 from dflash_hf.commands.bench import _command_line
 from dflash_hf.target import grouped_attention
 from dflash_hf.target.adapter import engine_kernels, uses_engine_kernels
@@ -780,7 +782,7 @@ def test_cli_mismatch_exit_status(folders, tmp_path, capsys, monkeypatch):
         (["--compare-drafter", "a=x", "--compare-drafter", "a=y"], "--compare-drafter names must differ"),
         (
             ["--skip", "greedy"],
-            "--skip takes prompt_lookup, native_dflash, greedy_engine_kernels, dflash (comma-separated)",
+            "--skip takes prompt_lookup, native_dflash, greedy_engine_kernels, greedy_static, dflash (comma-separated)",
         ),
         (["--compare-drafter", "a=no-such-folder"], "--compare-drafter a=no-such-folder: no DFlash drafter there"),
     ],
@@ -801,3 +803,26 @@ def test_profile_command_on_a_random_target(tmp_path, capsys):
     [profile] = document["profiles"]
     assert set(profile["target_ms"]) == {"1", "2", "4"} and set(profile["drafter_ms"]) == {"2", "4"}
     assert "float32 (as requested):" in capsys.readouterr().out
+
+
+def test_static_cache_baseline_is_exact_reuses_its_cache_and_has_its_column(setup, monkeypatch):
+    """`greedy_static` (plain greedy with a static cache; Transformers compiles it on CUDA targets) is a row where asked
+    (by default on CUDA targets only), exact, one cache for every prompt that fits, and a column of the table."""
+    target, drafter, prompts = setup
+    assert "greedy_static" not in [m.name for m in bench.default_methods(target, drafter, block_sizes=[4])]  # CPU
+    methods = bench.default_methods(
+        target, drafter, block_sizes=[4], adaptive=False, lookup_branch=False, draft_tree=False, static_baseline=True
+    )
+    assert [m.name for m in methods][:3] == ["greedy", "greedy_engine_kernels", "greedy_static"]
+    assert "StaticCache" in methods[2].description
+    built = []
+    monkeypatch.setattr(bench_methods, "StaticCache", lambda **kw: built.append(kw) or StaticCache(**kw))
+    result = bench.run_bench(
+        target, drafter, prompts, max_new_tokens=MAX_NEW, methods=methods, warmup_tokens=2, progress=False,
+        profile_costs=False,
+    )  # fmt: skip
+    static = _method(result, "greedy_static").summary
+    assert static.exact and static.tau == 1.0
+    assert [kw["max_cache_len"] for kw in built] == [bench_methods.STATIC_CACHE_MIN_LENGTH]  # warm-up's, kept
+    assert "vs static-cache greedy |" in bench.markdown_table(result)
+    assert bench_methods._static_cache_length(5000) == 8192
