@@ -14,6 +14,7 @@ oracle's later slots no longer match its text (the bench reports where outputs d
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -40,8 +41,11 @@ class OracleDrafts:
             raise ValueError("The oracle's reference must be a (batch, length) LongTensor of each row's new tokens.")
         if reference.shape[1] < 1:
             raise ValueError("The oracle's reference is empty: pass each row's greedy continuation.")
-        if isinstance(self.keep, bool) or not 0.0 <= float(self.keep) <= 1.0:
-            raise ValueError(f"The oracle's keep probability must lie in [0, 1], got {self.keep!r}.")
+        if reference.is_meta:
+            raise ValueError("The oracle's reference is on the meta device: pass a tensor that holds the token ids.")
+        keep = self.keep
+        if isinstance(keep, bool) or not isinstance(keep, numbers.Real) or not 0.0 <= float(keep) <= 1.0:
+            raise ValueError(f"The oracle's keep probability must lie in [0, 1], got {keep!r}.")
 
 
 class OracleChain:
@@ -104,8 +108,10 @@ def oracle_chain(
     vocab_size: int,
 ) -> OracleChain:
     """`chain` wrapped in an [`OracleChain`] once the call can replay `oracle`: greedy decoding, candidates that
-    verify the DFlash chain (`"dflash"`, or with a lookup branch), a reference row per prompt that covers
-    `max_new_tokens` or ends at an EOS token; a `ValueError` naming the fix otherwise."""
+    verify the DFlash chain (`"dflash"`, or with a lookup branch), a reference row per prompt of token ids in the
+    vocabulary that covers `max_new_tokens` or ends at an EOS token; a `ValueError` naming the fix otherwise."""
+    if not isinstance(oracle, OracleDrafts):
+        raise ValueError(f"oracle must be an OracleDrafts(reference, keep), got {type(oracle).__name__}.")
     if do_sample:
         raise ValueError("Oracle drafts replay greedy decoding: pass do_sample=False (sampling has no one reference).")
     if candidates == "tree":
@@ -118,6 +124,12 @@ def oracle_chain(
         raise ValueError(
             f"The oracle's reference has {reference.shape[0]} rows for {prompt_mask.shape[0]} prompts: pass one row of "
             "new tokens per prompt."
+        )
+    low, high = torch.stack([reference.min(), reference.max()]).tolist()  # the set-up's one read of the reference
+    if low < 0 or high >= vocab_size:
+        raise ValueError(
+            f"The oracle's reference holds token ids from {low} to {high}, outside the target's vocabulary "
+            f"[0, {vocab_size}): pass token ids only (pad the rows that end early with their EOS token)."
         )
     if reference.shape[1] < max_new_tokens:
         eos = torch.tensor(token_ids(eos_token_id), dtype=torch.long, device=reference.device)

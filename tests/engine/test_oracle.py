@@ -117,3 +117,34 @@ def test_bad_oracles_are_refused(models):
             attention_mask=attention_mask,
             **{**call, "oracle": OracleDrafts(reference, 1.0)},
         )
+
+
+@pytest.mark.parametrize("keep", [None, "0.5", torch.tensor(0.5)])
+def test_a_keep_probability_that_is_no_number_is_refused(keep):
+    with pytest.raises(ValueError, match="keep probability must lie in"):
+        OracleDrafts(torch.tensor([[3, 4]]), keep)
+
+
+def test_a_reference_without_values_or_an_oracle_of_another_type_is_refused(models):
+    target, drafter = models
+    with pytest.raises(ValueError, match="on the meta device"):
+        OracleDrafts(torch.tensor([[3, 4]], device="meta"), 1.0)
+    with pytest.raises(ValueError, match=r"oracle must be an OracleDrafts\(reference, keep\), got Tensor"):
+        dflash_hf.generate(target, drafter, torch.tensor([PROMPTS[0]]), max_new_tokens=4, oracle=torch.tensor([[3]]))
+
+
+@pytest.mark.parametrize("shift", [-100, 1000])
+def test_reference_ids_outside_the_vocabulary_are_refused_before_any_forward(models, shift):
+    target, drafter = models
+    reference = torch.tensor([_greedy(target, PROMPTS[0])[len(PROMPTS[0]) :]])
+    reference[0, -1] = shift  # a row padded past its end with a non-token (e.g. -100)
+    with pytest.raises(ValueError, match=r"outside the target's vocabulary \[0, 64\): pass token ids only"):
+        dflash_hf.generate(
+            target,
+            drafter,
+            torch.tensor([PROMPTS[0]]),
+            max_new_tokens=MAX_NEW,
+            candidates="dflash",
+            eos_token_id=NO_EOS,
+            oracle=OracleDrafts(reference, 1.0),
+        )
