@@ -183,6 +183,14 @@ def drafter_dir_of(target: str, drafter: Path | None) -> Path | None:
     return None if drafter is None and is_random_target(target) else resolve_drafter_dir(target, drafter)
 
 
+def trained_block_size(drafter_dir: Path | None) -> int:
+    """The block size the drafter of [`drafter_dir_of`] was trained on (`None`: the random drafter's)."""
+    from ..modeling import DFlashConfig
+    from ..random_targets import RANDOM_DRAFTER_BLOCK
+
+    return RANDOM_DRAFTER_BLOCK if drafter_dir is None else int(DFlashConfig.from_pretrained(drafter_dir).block_size)
+
+
 def device_of(name: str | None) -> torch.device:
     """The device `--device name` asks for (`None`: cuda when available, else cpu); a `ValueError` naming the fix
     when it is no device, or one this machine lacks."""

@@ -34,6 +34,7 @@ from . import (
     drafter_dir_of,
     load_models,
     setup_cpu,
+    trained_block_size,
 )
 
 SKIPPABLE = ("prompt_lookup", "native_dflash", "greedy_engine_kernels", "greedy_static", "dflash")
@@ -389,10 +390,7 @@ def _bench(settings: BenchSettings) -> tuple[bench.BenchResult, int | None]:
     device = device_of(settings.device)
     threads = setup_cpu(settings, device)
     compared = _compared_drafters(settings)
-    trained = [
-        RANDOM_DRAFTER_BLOCK if d is None else int(DFlashConfig.from_pretrained(d).block_size)
-        for d in (drafter_dir, *compared.values())
-    ]
+    trained = [trained_block_size(d) for d in (drafter_dir, *compared.values())]
     max_block = trained[0]  # the block the main drafter's cycle runs (a measured --dtype auto verdict times it)
     widest = max(
         bench.widest_verify(

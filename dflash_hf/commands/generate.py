@@ -19,14 +19,21 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
 
 from .. import mkl_choice
 from ..data.prompts import encode_prompt
-from ..drafters import engine_defaults, resolve_drafter_dir
+from ..drafters import engine_defaults
 from ..engine.acceptance import DEFAULT_SAMPLING_PROPOSAL, SAMPLING_PROPOSALS
 from ..engine.candidates import CANDIDATE_SOURCES, DEFAULT_CANDIDATES, CandidatePlan
 from ..engine.checks import MAX_LOOKUP_TOKENS, check_context_length
 from ..engine.generation import generate
-from ..modeling import DFlashConfig
 from ..runtime import Stopwatch, mkl_mode
-from . import add_cpu_arguments, add_model_arguments, device_of, load_models, setup_cpu
+from . import (
+    add_cpu_arguments,
+    add_model_arguments,
+    device_of,
+    drafter_dir_of,
+    load_models,
+    setup_cpu,
+    trained_block_size,
+)
 
 T = TypeVar("T")
 WARMUP_PROMPT_TOKENS = 16
@@ -156,8 +163,12 @@ def _engine_settings(args: argparse.Namespace, trained_block_size: int) -> tuple
     pair = engine_defaults(args.target, args.drafter)
     block_size = args.block_size if args.block_size is not None else (pair.block_size if pair else None)
     candidates = args.candidates or (pair.candidates if pair else DEFAULT_CANDIDATES)
-    given = args.block_size is not None and args.candidates is not None
-    why = "as asked" if given or pair is None else f"the {args.target} pair's defaults where no flag is given"
+    if args.block_size is not None and args.candidates is not None:
+        why = "as asked"
+    elif pair is not None:
+        why = f"the {args.target} pair's defaults where no flag is given"
+    else:
+        why = "as asked" if args.block_size is not None or args.candidates is not None else "the engine's defaults"
     return block_size, candidates, why
 
 
@@ -169,13 +180,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--lookup-tokens must be between 1 and {MAX_LOOKUP_TOKENS}, got {args.lookup_tokens}.")
     _check_prompt_text(args.prompt)
     sampling = _sampling_kwargs(args)
-    drafter_dir = resolve_drafter_dir(args.target, args.drafter)
+    drafter_dir = drafter_dir_of(args.target, args.drafter)
     device = device_of(args.device)
     setup_cpu(args, device)
 
-    drafter_config = DFlashConfig.from_pretrained(drafter_dir)
-    block_size, candidates, why = _engine_settings(args, int(drafter_config.block_size))
-    max_block = block_size if isinstance(block_size, int) else int(drafter_config.block_size)
+    trained = trained_block_size(drafter_dir)
+    block_size, candidates, why = _engine_settings(args, trained)
+    max_block = block_size if isinstance(block_size, int) else trained
     greedy = not sampling.get("do_sample", False)
     widest = CandidatePlan(candidates, max_block, args.lookup_tokens, tree_verify=greedy).verify_width
     target, tokenizer, drafter, precision = load_models(args.target, drafter_dir, device, args.dtype, max_block, widest)

@@ -189,3 +189,26 @@ def test_bad_input_gives_one_error_line(folders, tmp_path, capsys, argv, message
     code, _, err = _run(capsys, "hi", *[arg.format(**values) for arg in argv])
     assert code == 2
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_a_random_target_without_a_drafter_runs_with_a_random_drafter(capsys):
+    code, out, err = _run(
+        capsys,
+        "hello world",
+        "--target",
+        "random:tiny-qwen3",
+        "--max-new-tokens",
+        "6",
+        "--dtype",
+        "float32",
+        "--compare",
+    )
+    assert code == 0, err
+    assert "engine: block size 16, candidates dflash+lookup (the engine's defaults)" in err
+    assert _summary(out, COMPARE).group(4) == "yes"
+
+
+@pytest.mark.parametrize("target", ["random:nope", "random:"])
+def test_an_unknown_random_shape_is_named_with_the_known_ones(capsys, target):
+    code, _, err = _run(capsys, "hi", "--target", target, "--max-new-tokens", "2")
+    assert code == 2 and len(err) == 1 and "Unknown random target" in err[0] and "random:tiny-qwen3" in err[0], err
