@@ -67,7 +67,7 @@ def _base_model(script: "DFlashScriptArguments") -> str | None:
     if is_hub_id(script.target):
         return script.target
     raise ValueError(
-        f"--target {script.target!r} is a local folder: pass --base_model org/name (the target's Hub id, written "
+        f"--target {script.target!r} names no Hub id (a local folder or a random target): pass --base_model org/name (the target's Hub id, written "
         "into the exported model card) so the final export does not fail after training."
     )
 

@@ -30,6 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, Pre
 from ..fileio import atomic_write_folder, set_ordinary_mode
 from ..hub_cards import render_model_card
 from ..modeling import DFlashConfig, DFlashDraftModel
+from ..random_targets import build_random_target, is_random_target, random_config
 from ..target.adapter import TargetAdapter
 from ..target.support import check_target_config
 from ..targets import TARGETS, is_hub_id, resolve_target_dir
@@ -43,10 +44,13 @@ _LICENSE_FIELDS = ("license", "license_name", "license_link")
 
 
 def _target_config(target: PreTrainedModel | PreTrainedConfig | str | os.PathLike) -> tuple[PreTrainedConfig, str]:
-    """Return the target's config and its name or path (a named target: its Hub id, config from the local cache)."""
+    """Return the target's config and its name or path (a named target: its Hub id, config from the local cache; a
+    random target: its shape's config)."""
     if isinstance(target, (str, os.PathLike)) and os.fspath(target) in TARGETS:
         spec = TARGETS[os.fspath(target)]
         return AutoConfig.from_pretrained(resolve_target_dir(spec.name)), spec.hub_id or spec.name
+    if is_random_target(target):
+        return random_config(target), target
     if isinstance(target, PreTrainedModel):
         config = target.config
     elif isinstance(target, PreTrainedConfig):
@@ -72,6 +76,8 @@ def _target_model(target: PreTrainedModel | PreTrainedConfig | str | os.PathLike
             "weights: pass the target model, its local folder or Hub id (or a named target), not only its config."
         )
     name = os.fspath(target)
+    if is_random_target(name):  # seeded: the weights the drafter was trained against
+        return build_random_target(name, torch.float32)[0]
     path = resolve_target_dir(name) if name in TARGETS else name
     return AutoModelForCausalLM.from_pretrained(path, dtype="auto")
 

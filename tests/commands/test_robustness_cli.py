@@ -248,3 +248,11 @@ def test_quiet_commands_show_no_progress_bar(root, named_target, tmp_path, capsy
     # the libraries' own settings are back once the command is done
     assert hf_logging.is_progress_bar_enabled() and not datasets.are_progress_bars_disabled()
     assert not huggingface_hub.utils.are_progress_bars_disabled()
+
+
+def test_train_on_a_random_target_asks_for_its_hub_id_without_calling_it_a_folder(tmp_path, capsys):
+    argv = ["train", "--target", "random:tiny-qwen3", "--data", tmp_path, "--output_dir", tmp_path / "run"]
+    code, _, errors = _cli(capsys, argv)
+    assert code == 2 and len(errors) == 1, errors
+    assert "names no Hub id (a local folder or a random target): pass --base_model org/name" in errors[0]
+    assert not (tmp_path / "run").exists()

@@ -192,3 +192,16 @@ def test_cli_export(qwen_pair, tmp_path, capsys):
     assert [line for line in err.splitlines() if line.startswith("error:")] == [
         f"error: {tmp_path / 'out'} already exists; choose another folder or pass overwrite=True (`--overwrite`)."
     ]
+
+
+@pytest.mark.parametrize("format", ["dflash-hf", "speculators"])
+def test_export_against_a_random_target_by_name(tmp_path, format):
+    from dflash_hf.random_targets import build_random_target, random_drafter
+
+    drafter = random_drafter(build_random_target("random:tiny-qwen3", torch.float32)[0], num_layers=1, block_size=4)
+    with pytest.raises(ValueError, match=r"base_model='org/name'"):
+        dflash_hf.export(drafter, tmp_path / "d", target="random:tiny-qwen3", format=format)
+    out = dflash_hf.export(drafter, tmp_path / "d", target="random:tiny-qwen3", base_model="a/b", format=format)
+    assert (out / "config.json").is_file()
+    with pytest.raises(ValueError, match="Unknown random target 'random:nope'"):
+        dflash_hf.export(drafter, tmp_path / "e", target="random:nope", base_model="a/b", format=format)
