@@ -153,7 +153,8 @@ class HashedTokenizer(PreTrainedTokenizer):
     def _convert_token_to_id(self, token: str) -> int:
         if token == "<eos>":
             return self._eos_id
-        index = zlib.crc32(token.encode("utf-8")) % (self._vocab_size - 1)
+        # surrogatepass: text with lone surrogates (e.g. from a JSON `\ud800` escape) still gets its fixed ids
+        index = zlib.crc32(token.encode("utf-8", "surrogatepass")) % (self._vocab_size - 1)
         return index + 1 if index >= self._eos_id else index  # never the EOS id
 
     def _convert_id_to_token(self, index: int) -> str:

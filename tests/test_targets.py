@@ -18,7 +18,7 @@ from transformers import modeling_gguf_pytorch_utils as gguf_reader
 
 from dflash_hf import fileio, targets
 from dflash_hf.fileio import cache_dir
-from dflash_hf.random_targets import random_config, random_drafter
+from dflash_hf.random_targets import HashedTokenizer, random_config, random_drafter
 from dflash_hf.target_cache import MARKER_FILE, TargetSpec, cache_problem
 from dflash_hf.targets import load_target, resolve_target_dir
 
@@ -257,3 +257,11 @@ def test_random_target_names_are_checked():
         load_target("random:tiny-qwen3", rebuild=True)
     with pytest.raises(ValueError, match=r"neither a named or random target \(smollm2-135m, .*random:tiny-qwen3\)"):
         load_target("no-such-target")
+
+
+@pytest.mark.parametrize("text", ["\ud800 lone surrogate", "\x00\x00", "😀👍🏽 日本語", ""])
+def test_the_hashed_tokenizer_takes_any_text(text):
+    tokenizer = HashedTokenizer(512, 511)
+    ids = tokenizer(text)["input_ids"]
+    assert ids == tokenizer(text)["input_ids"] and all(0 <= i < 511 for i in ids)
+    assert len(ids) == len(tokenizer.tokenize(text))
