@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,13 +137,27 @@ def comma_separated_ints(text: str) -> list[int]:
 
 
 def comma_separated_floats(text: str) -> list[float]:
-    """`argparse` type of flags such as `--temperatures 0.7,1.0`: at least one number, each > 0."""
+    """`argparse` type of flags such as `--temperatures 0.7,1.0`: at least one finite number, each > 0, each naming
+    its own bench rows."""
     try:
         values = [float(part) for part in text.split(",") if part.strip()]
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 0.7,1.0, got {text!r}") from err
-    if not values or min(values) <= 0:
+    if not values or not all(0 < value < math.inf for value in values):
         raise argparse.ArgumentTypeError(f"expected comma-separated positive numbers such as 0.7,1.0, got {text!r}")
+    return distinct_row_values(values, text)
+
+
+def distinct_row_values(values: list[float], text: str) -> list[float]:
+    """`values` (`-0` as `0`) when no two name the same bench row (`f"{value:g}"`); an `ArgumentTypeError` naming
+    the repeated one otherwise."""
+    values = [value + 0.0 for value in values]
+    names = [f"{value:g}" for value in values]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(repeated)} given more than once in {text!r}: list each value once"
+        )
     return values
 
 

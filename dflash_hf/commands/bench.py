@@ -31,6 +31,7 @@ from . import (
     comma_separated_floats,
     comma_separated_ints,
     device_of,
+    distinct_row_values,
     drafter_dir_of,
     load_models,
     setup_cpu,
@@ -53,7 +54,7 @@ class TaggedDrafter(NamedTuple):
 
 
 def probabilities(text: str) -> list[float]:
-    """`argparse` type of `--oracle 1.0,0.8`: at least one number, each in [0, 1]."""
+    """`argparse` type of `--oracle 1.0,0.8`: at least one number, each in [0, 1], each naming its own rows."""
     try:
         values = [float(part) for part in text.split(",") if part.strip()]
     except ValueError as err:
@@ -64,7 +65,7 @@ def probabilities(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated probabilities in [0, 1] such as 1.0,0.8, got {text!r}"
         )
-    return values
+    return distinct_row_values(values, text)
 
 
 def tagged_drafter(text: str) -> TaggedDrafter:

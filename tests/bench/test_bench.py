@@ -689,6 +689,27 @@ def test_cli_oracle_rows_on_a_random_target(folders, tmp_path, capsys):
     assert "expected comma-separated probabilities in [0, 1]" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--oracle", "1,1.0", "1 given more than once in '1,1.0': list each value once"),
+        ("--oracle", "0.5,,0.5", "0.5 given more than once"),
+        ("--oracle", "0,-0", "0 given more than once"),
+        ("--temperatures", "0.7,0.70", "0.7 given more than once"),
+        ("--temperatures", "inf", "expected comma-separated positive numbers"),
+    ],
+)
+def test_cli_row_values_that_are_repeated_or_infinite_are_refused_before_any_load(capsys, flag, value, message):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench", flag, value])
+    assert message in capsys.readouterr().err
+
+
+def test_cli_an_oracle_of_minus_zero_names_its_rows_with_zero():
+    args = cli.build_parser().parse_args(["bench", "--oracle", "-0"])
+    assert args.oracle == [0.0] and f"{args.oracle[0]:g}" == "0"
+
+
 def test_cli_compares_drafters_in_one_run(folders, tmp_path, capsys):
     out = tmp_path / "results"
     args = _bench_args(folders, out, "--compare-drafter", f"again={folders['drafter']}", "--no-draft-tree")
