@@ -172,6 +172,24 @@ def remove_leftovers(folder: str | os.PathLike, patterns: Iterable[str]) -> None
                 _remove(leftover)
 
 
+def shard_size_bytes(size: int | str, named_by: str) -> int:
+    """`size` in bytes as `save_pretrained` reads it (bytes, or digits with a unit: `"15MB"`, `"1.5GB"`); a
+    `ValueError` naming `named_by` (the option) unless it is a positive size."""
+    from huggingface_hub.serialization._base import parse_size_to_int  # the parser of `save_pretrained`
+
+    value, reason = (size if isinstance(size, int) and not isinstance(size, bool) else None), ""
+    if isinstance(size, str):
+        try:
+            value = parse_size_to_int(size)
+        except (ValueError, OverflowError) as err:
+            reason = f" ({err})"
+    if value is None or value < 1:
+        raise ValueError(
+            f"{named_by} {size!r} is no size: give a positive number with a unit KB, MB, GB or TB, e.g. 15MB{reason}."
+        )
+    return value
+
+
 def cache_dir() -> Path:
     """Root of the dflash-hf cache: `$DFLASH_HF_CACHE`, else `$XDG_CACHE_HOME/dflash-hf`, else `~/.cache/dflash-hf`."""
     override = os.environ.get(CACHE_ENV)

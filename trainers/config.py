@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
-from transformers.utils.hub import convert_file_size_to_int
 
+from ..fileio import shard_size_bytes
 from .metrics import LOSS_WEIGHTINGS, default_loss_decay_gamma
 
 FEATURE_MODES = ("online", "offline")
@@ -278,12 +278,7 @@ class DFlashTrainingConfig(TrainingArguments):
         if self.max_train_seconds is not None and not float(self.max_train_seconds) > 0:
             raise ValueError(f"max_train_seconds must be > 0 (seconds), got {self.max_train_seconds}.")
         if self.max_shard_size is not None:
-            try:
-                convert_file_size_to_int(self.max_shard_size)
-            except ValueError as err:
-                raise ValueError(
-                    f"max_shard_size {self.max_shard_size!r} is no size: give it with a unit, e.g. 15MB ({err})."
-                ) from err
+            shard_size_bytes(self.max_shard_size, "max_shard_size")
         if self.features not in FEATURE_MODES:
             raise ValueError(f"features must be one of {FEATURE_MODES}, got {self.features!r}.")
         if self.features == "offline" and not self.features_dir:

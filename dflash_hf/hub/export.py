@@ -27,7 +27,7 @@ from huggingface_hub import metadata_load, try_to_load_from_cache
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
-from ..fileio import atomic_write_folder, set_ordinary_mode
+from ..fileio import atomic_write_folder, set_ordinary_mode, shard_size_bytes
 from ..hub_cards import render_model_card
 from ..modeling import DFlashConfig, DFlashDraftModel
 from ..random_targets import build_random_target, is_random_target, random_config
@@ -156,7 +156,7 @@ def _check_arguments(
     drafter: DFlashDraftModel, format: str, gguf_type: str | None, max_shard_size: int | str | None
 ) -> None:
     """Raise a `ValueError` for an unknown format, a drafter that is no DFlash drafter, a `gguf_type` given to a
-    format other than GGUF, or a `max_shard_size` given to a one-file format."""
+    format other than GGUF, or a `max_shard_size` given to a one-file format or of no positive size."""
     if format not in EXPORT_FORMATS:
         raise ValueError(f"Unknown export format {format!r}; choose one of {', '.join(EXPORT_FORMATS)}.")
     if getattr(drafter.config, "model_type", None) != DFlashConfig.model_type:
@@ -171,6 +171,8 @@ def _check_arguments(
             f"max_shard_size (`--max-shard-size`) applies to the dflash-hf and official formats, not to {format!r}, "
             "which is written as one file: drop it, or export another format."
         )
+    if max_shard_size is not None:
+        shard_size_bytes(max_shard_size, "max_shard_size (`--max-shard-size`)")
 
 
 def _base_model(base_model: str | None, target_name: str) -> str:

@@ -65,9 +65,14 @@ def test_a_limit_must_be_positive(seconds, tmp_path):
         tiny_train_config(tmp_path, max_train_seconds=seconds)
 
 
-def test_a_shard_size_needs_a_unit(tmp_path):
-    with pytest.raises(ValueError, match="max_shard_size '40000' is no size: give it with a unit"):
-        tiny_train_config(tmp_path, max_shard_size="40000")
+@pytest.mark.parametrize("size", ["40000", "5GiB", "-1MB", "0KB", "nanMB", "infMB", "1B"])
+def test_a_shard_size_is_a_positive_size_that_save_pretrained_reads(tmp_path, size):
+    with pytest.raises(ValueError, match=f"max_shard_size '{size}' is no size: give a positive number with a unit"):
+        tiny_train_config(tmp_path, max_shard_size=size)
+
+
+def test_a_fractional_shard_size_is_read_as_save_pretrained_reads_it(tmp_path):
+    assert tiny_train_config(tmp_path, max_shard_size="1.5MB").max_shard_size == "1.5MB"
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -130,6 +135,10 @@ def test_export_writes_shards_every_loader_reads(tmp_path):
     for format in ("speculators", "gguf"):
         with pytest.raises(ValueError, match="max_shard_size"):
             export(drafter, tmp_path / format, target=target, format=format, max_shard_size="15MB")
+    for size in ("0KB", "infMB", 0, True):
+        with pytest.raises(ValueError, match=r"max_shard_size \(`--max-shard-size`\) .* is no size"):
+            export(drafter, tmp_path / "bad", target=target, base_model="test-org/tiny", max_shard_size=size)
+    assert not (tmp_path / "bad").exists()
 
 
 def test_train_command_stops_at_the_limit_and_exports_shards(tiny_data, tmp_path):
