@@ -30,7 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, Pre
 from ..fileio import atomic_write_folder, set_ordinary_mode, shard_size_bytes
 from ..hub_cards import render_model_card
 from ..modeling import DFlashConfig, DFlashDraftModel
-from ..random_targets import build_random_target, is_random_target, random_config
+from ..random_targets import is_random_target, random_config
 from ..target.adapter import TargetAdapter
 from ..target.support import check_target_config
 from ..targets import TARGETS, is_hub_id, resolve_target_dir
@@ -76,8 +76,11 @@ def _target_model(target: PreTrainedModel | PreTrainedConfig | str | os.PathLike
             "weights: pass the target model, its local folder or Hub id (or a named target), not only its config."
         )
     name = os.fspath(target)
-    if is_random_target(name):  # seeded: the weights the drafter was trained against
-        return build_random_target(name, torch.float32)[0]
+    if is_random_target(name):
+        raise ValueError(
+            f"The speculators layout stores the target's LM head rows, and those of {name!r} depend on the device and "
+            "dtype it was built in: pass the target model itself, or export another format."
+        )
     path = resolve_target_dir(name) if name in TARGETS else name
     return AutoModelForCausalLM.from_pretrained(path, dtype="auto")
 

@@ -194,14 +194,18 @@ def test_cli_export(qwen_pair, tmp_path, capsys):
     ]
 
 
-@pytest.mark.parametrize("format", ["dflash-hf", "speculators"])
-def test_export_against_a_random_target_by_name(tmp_path, format):
+def test_export_against_a_random_target_by_name(tmp_path):
     from dflash_hf.random_targets import build_random_target, random_drafter
 
-    drafter = random_drafter(build_random_target("random:tiny-qwen3", torch.float32)[0], num_layers=1, block_size=4)
+    target = build_random_target("random:tiny-qwen3", torch.float32)[0]
+    drafter = random_drafter(target, num_layers=1, block_size=4)
     with pytest.raises(ValueError, match=r"base_model='org/name'"):
-        dflash_hf.export(drafter, tmp_path / "d", target="random:tiny-qwen3", format=format)
-    out = dflash_hf.export(drafter, tmp_path / "d", target="random:tiny-qwen3", base_model="a/b", format=format)
+        dflash_hf.export(drafter, tmp_path / "d", target="random:tiny-qwen3")
+    out = dflash_hf.export(drafter, tmp_path / "d", target="random:tiny-qwen3", base_model="a/b")
     assert (out / "config.json").is_file()
     with pytest.raises(ValueError, match="Unknown random target 'random:nope'"):
-        dflash_hf.export(drafter, tmp_path / "e", target="random:nope", base_model="a/b", format=format)
+        dflash_hf.export(drafter, tmp_path / "e", target="random:nope", base_model="a/b")
+    # the speculators layout holds the target's LM head rows: the model itself, not a name built anew
+    with pytest.raises(ValueError, match="depend on the device and dtype it was built in: pass the target model"):
+        dflash_hf.export(drafter, tmp_path / "s", target="random:tiny-qwen3", base_model="a/b", format="speculators")
+    assert (dflash_hf.export(drafter, tmp_path / "s", target=target, base_model="a/b", format="speculators")).is_dir()
