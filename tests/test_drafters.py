@@ -74,4 +74,3 @@ def test_a_block_size_that_is_no_int_or_adaptive_is_one_error_line(capsys):
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["generate", "hi", "--block-size", "big"])
     assert "expected an int or 'adaptive', got 'big'" in capsys.readouterr().err
-

@@ -459,7 +459,7 @@ def chi_square_bound(cells: int) -> float:
 NUMBER = r"\d+\.\d\d"
 SUMMARY = rf"^tokens: (\d+) \| tau: {NUMBER} \| {NUMBER} tokens/s$"
 COMPARE = (
-    rf"^tokens: (\d+) \| tau: {NUMBER} \| {NUMBER} tokens/s \| plain (greedy|sampling) \((float32|bfloat16)\): {NUMBER} tokens/s "
+    rf"^tokens: (\d+) \| tau: {NUMBER} \| {NUMBER} tokens/s \| plain (greedy|sampling|greedy, static cache) \((float32|bfloat16)\): {NUMBER} tokens/s "
     rf"\| speedup: {NUMBER}x \| identical: (yes|no|n/a \(sampling\))$"
 )
 

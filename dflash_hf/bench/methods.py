@@ -22,6 +22,7 @@ from transformers.cache_utils import StaticCache
 
 from ..engine.acceptance import SAMPLING_PROPOSALS
 from ..engine.candidates import CandidatePlan
+from ..engine.compilation import static_cache_length
 from ..engine.generation import generate
 from ..engine.lookup import lookup_branch_length
 from ..engine.oracle import OracleDrafts
@@ -32,7 +33,6 @@ from ..transformers_compat import cache_keyword
 from .target_watch import TargetWatch
 
 DEFAULT_BLOCK_SIZES = (4, 8, 16)
-STATIC_CACHE_MIN_LENGTH = 2048  # the static baseline's cache: every prompt of a usual bench fits one cache
 
 
 @dataclass
@@ -131,7 +131,7 @@ def _transformers_runner(
     return run
 
 
-def _static_cache_runner(target: PreTrainedModel) -> MethodRunner:
+def static_cache_runner(target: PreTrainedModel) -> MethodRunner:
     """Runner for plain greedy `target.generate` with a static cache, which Transformers compiles on a GPU (its own
     criteria: a CUDA target and a compileable cache): the fast baseline. One `StaticCache` serves every call, reset
     in between and replaced only by a longer one, so the compiled decoding step keeps its shapes from the warm-up on.
@@ -141,7 +141,7 @@ def _static_cache_runner(target: PreTrainedModel) -> MethodRunner:
     def run(input_ids: torch.LongTensor, max_new_tokens: int) -> MethodRun:
         needed = input_ids.shape[1] + max_new_tokens
         if not held or held[0].get_max_length() < needed:
-            held[:] = [StaticCache(config=target.config, max_cache_len=_static_cache_length(needed))]
+            held[:] = [StaticCache(config=target.config, max_cache_len=static_cache_length(needed))]
         cache = held[0]
         cache.reset()
         with Stopwatch(input_ids.device) as stopwatch:
@@ -156,12 +156,6 @@ def _static_cache_runner(target: PreTrainedModel) -> MethodRunner:
         return MethodRun(new_tokens=new_tokens, seconds=stopwatch.total, accepted_lengths=[1] * (len(new_tokens) - 1))
 
     return run
-
-
-def _static_cache_length(needed: int) -> int:
-    """The length of a static cache for a call of `needed` positions: a power of two of at least
-    [`STATIC_CACHE_MIN_LENGTH`], so a bench's prompts share one cache (one compiled shape)."""
-    return max(STATIC_CACHE_MIN_LENGTH, 1 << (needed - 1).bit_length())
 
 
 def _engine_runner(
@@ -220,6 +214,7 @@ def default_methods(
     lookup_tokens: Sequence[int] = (),
     draft_tree: bool = True,
     static_baseline: bool | None = None,
+    compile: bool = False,
 ) -> list[BenchMethod]:
     """The methods of the module docstring, in order; engine block sizes above the drafter's trained one are left out.
 
@@ -236,16 +231,17 @@ def default_methods(
         draft_tree: Include our engine with a draft tree (`candidates="tree"`) at the smallest and the largest block
             size.
         static_baseline: Include `greedy_static`, plain greedy with a static cache, which Transformers compiles on a
-            GPU (the fast baseline there); `None`: on a CUDA target.
+            GPU (the fast baseline there); `None`: on a CUDA target, or with `compile`.
+        compile: Run every engine row with `compile=True` (static caches, compiled verify forwards).
     """
     if prompt_lookup_num_tokens < 1:
         raise ValueError(f"prompt_lookup_num_tokens must be >= 1, got {prompt_lookup_num_tokens}.")
     sizes = _checked_sizes(drafter, block_sizes, lookup_tokens)
     trained = int(drafter.config.block_size)
-    static = target.device.type == "cuda" if static_baseline is None else static_baseline
+    static = (compile or target.device.type == "cuda") if static_baseline is None else static_baseline
     rows = _transformers_rows(uses_engine_kernels(target), static, trained, prompt_lookup_num_tokens)
     rows += _engine_rows(sizes, trained, adaptive, lookup_branch, [int(n) for n in lookup_tokens], draft_tree)
-    return [_method(target, drafter, row) for row in rows]
+    return [_method(target, drafter, row, compile) for row in rows]
 
 
 def drafter_methods(
@@ -257,15 +253,18 @@ def drafter_methods(
     lookup_branch: bool = True,
     lookup_tokens: Sequence[int] = (),
     draft_tree: bool = True,
+    compile: bool = False,
 ) -> list[BenchMethod]:
     """The engine rows of [`default_methods`] for a further drafter, named `<row>@<tag>` and labelled `<label>
-    [<tag>]`, each compared with the run's plain greedy: several drafters side by side in one run."""
+    [<tag>]`, each compared with the run's plain greedy: several drafters side by side in one run (`compile`: as
+    there)."""
     sizes = _checked_sizes(drafter, block_sizes, lookup_tokens)
     rows = _engine_rows(
         sizes, int(drafter.config.block_size), adaptive, lookup_branch, [int(n) for n in lookup_tokens], draft_tree
     )
     return [
-        _method(target, drafter, replace(row, name=f"{row.name}@{tag}", label=f"{row.label} [{tag}]")) for row in rows
+        _method(target, drafter, replace(row, name=f"{row.name}@{tag}", label=f"{row.label} [{tag}]"), compile)
+        for row in rows
     ]
 
 
@@ -312,10 +311,15 @@ def widest_verify(
 
 
 def sampling_methods(
-    target: PreTrainedModel, drafter: DFlashDraftModel, temperatures: Sequence[float], block_size: int
+    target: PreTrainedModel,
+    drafter: DFlashDraftModel,
+    temperatures: Sequence[float],
+    block_size: int,
+    compile: bool = False,
 ) -> list[BenchMethod]:
     """Sampling rows: per temperature, plain sampling and our engine with each draft proposal (`argmax`, `sample`),
-    each engine row compared with plain sampling at the same temperature (no top-k / top-p)."""
+    each engine row compared with plain sampling at the same temperature (no top-k / top-p); `compile`: the engine
+    rows run with `compile=True`."""
     trained, size = int(drafter.config.block_size), int(block_size)
     if not 2 <= size <= trained:
         raise ValueError(f"The sampling block size must be in [2, {trained}] (the drafter's), got {block_size}.")
@@ -338,7 +342,7 @@ def sampling_methods(
             )
             for proposal in SAMPLING_PROPOSALS
         ]
-    return [_method(target, drafter, row) for row in rows]
+    return [_method(target, drafter, row, compile) for row in rows]
 
 
 def oracle_methods(
@@ -346,10 +350,12 @@ def oracle_methods(
     drafter: DFlashDraftModel,
     probabilities: Sequence[float],
     block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES,
+    compile: bool = False,
 ) -> list[BenchMethod]:
     """Oracle rows: per probability P and block size the drafter runs, our engine whose drafts replay plain greedy's
     output on the same prompt, each slot kept with probability P (`dflash_hf.engine.oracle`): the drafter's forward
-    and the engine's cycle at their real cost, tau set by P. Named `oracle_b<B>_p<P>`."""
+    and the engine's cycle at their real cost, tau set by P. Named `oracle_b<B>_p<P>`; `compile`: run with
+    `compile=True`."""
     bad = [p for p in probabilities if not 0.0 <= float(p) <= 1.0]
     if bad:
         raise ValueError(f"Oracle probabilities must lie in [0, 1], got {bad}.")
@@ -364,7 +370,7 @@ def oracle_methods(
         for p in probabilities
         for b in sizes
     ]
-    return [_method(target, drafter, row) for row in rows]
+    return [_method(target, drafter, row, compile) for row in rows]
 
 
 @dataclass(frozen=True)
@@ -474,8 +480,11 @@ def _engine_rows(
     return rows
 
 
-def _method(target: PreTrainedModel, drafter: DFlashDraftModel, row: _Row) -> BenchMethod:
-    """The bench method of `row`: its runner, and its description from its `generate` arguments."""
+def _method(target: PreTrainedModel, drafter: DFlashDraftModel, row: _Row, compile: bool = False) -> BenchMethod:
+    """The bench method of `row`: its runner, and its description from its `generate` arguments (an engine row's with
+    `compile=True` when `compile`)."""
+    if compile and row.engine:
+        row = replace(row, generate={**row.generate, "compile": True})
     arguments = {key: drafter if value is _DRAFTER else value for key, value in {**row.generate, **row.hidden}.items()}
     shown = ", ".join(f"{key}={_shown(value)}" for key, value in row.generate.items())
     oracle = arguments.pop("oracle", None)
@@ -484,7 +493,7 @@ def _method(target: PreTrainedModel, drafter: DFlashDraftModel, row: _Row) -> Be
         runner = _engine_runner(target, drafter, arguments.pop("block_size"), oracle_keep=keep, **arguments)
         description = f"dflash_hf.generate({shown})"
     elif _STATIC_CACHE in row.generate.values():
-        runner = _static_cache_runner(target)
+        runner = static_cache_runner(target)
         description = f"target.generate({shown}), compiled by Transformers where it compiles (CUDA)"
     else:
         watched = drafter if _DRAFTER in row.generate.values() else None

@@ -128,6 +128,14 @@ class BenchSettings:
         },
     )
     adaptive: bool = field(default=True, metadata={"help": "Leave out the adaptive block size."})
+    compile: bool = field(
+        default=False,
+        metadata={
+            "help": "Run every engine row with compile=True: the target's keys and values in a static cache, its "
+            "verify forwards compiled at fixed widths (CUDA graphs on a GPU); adds greedy_static, the baseline with "
+            "the same cache and compiler."
+        },
+    )
     draft_tree: bool = field(default=True, metadata={"help": 'Leave out the draft-tree rows (candidates="tree").'})
     lookup_branch: bool = field(
         default=True,
@@ -328,6 +336,7 @@ def _methods(settings: BenchSettings, target, drafter, compared: dict[str, Path]
         lookup_branch=settings.lookup_branch,
         lookup_tokens=settings.lookup_tokens,
         draft_tree=settings.draft_tree,
+        compile=settings.compile,
     )
     skipped = set(settings.skip.split(","))
     methods = bench.default_methods(target, drafter, prompt_lookup_num_tokens=settings.prompt_lookup_tokens, **engine)
@@ -337,11 +346,13 @@ def _methods(settings: BenchSettings, target, drafter, compared: dict[str, Path]
         if method.name not in skipped and not (ENGINE_ROWS in skipped and method.name.startswith("dflash_"))
     ]
     if settings.oracle:
-        methods += bench.oracle_methods(target, drafter, settings.oracle, settings.block_sizes)
+        methods += bench.oracle_methods(target, drafter, settings.oracle, settings.block_sizes, settings.compile)
     for name, folder in compared.items():
         methods += bench.drafter_methods(target, load_drafter(folder, target), name, **engine)
     if settings.temperatures:
-        methods += bench.sampling_methods(target, drafter, settings.temperatures, settings.sampling_block_size)
+        methods += bench.sampling_methods(
+            target, drafter, settings.temperatures, settings.sampling_block_size, settings.compile
+        )
     return methods
 
 

@@ -18,6 +18,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
 
 from .. import mkl_choice
+from ..bench.methods import static_cache_runner
 from ..data.prompts import encode_prompt
 from ..drafters import engine_defaults
 from ..engine.acceptance import DEFAULT_SAMPLING_PROPOSAL, SAMPLING_PROPOSALS
@@ -83,6 +84,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=SAMPLING_PROPOSALS,
         default=DEFAULT_SAMPLING_PROPOSAL,
         help="When sampling: sample each slot from the drafter (sample, default) or draft its most likely token (argmax).",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="Keep the target's keys and values in a static cache and compile its verify forwards at fixed widths "
+        "(torch.compile; CUDA graphs on a GPU); the warm-up pays for compiling. With --compare, greedy decoding is "
+        "compared with plain greedy on a static cache, as Transformers compiles it.",
     )
     parser.add_argument(
         "--compare",
@@ -204,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
     warmup_ids = inputs["input_ids"][:, :WARMUP_PROMPT_TOKENS]
     generate(
         target, drafter, warmup_ids, max_new_tokens=2, do_sample=False, block_size=block_size,
-        candidates=candidates, lookup_tokens=args.lookup_tokens,
+        candidates=candidates, lookup_tokens=args.lookup_tokens, compile=args.compile,
     )  # fmt: skip
 
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -221,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
             sampling_proposal=args.sampling_proposal,
             candidates=candidates,
             lookup_tokens=args.lookup_tokens,
+            compile=args.compile,
             **common,
         ),
     )
@@ -229,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
     rate = len(new_tokens) / seconds
     summary = f"tokens: {len(new_tokens)} | tau: {out.tau:.2f} | {rate:.2f} tokens/s"
     if args.compare:
-        summary += " | " + _compare(target, inputs, common, new_tokens, rate, device)
+        summary += " | " + _compare(target, inputs, common, new_tokens, rate, device, args.compile)
     print(summary, flush=True)
     return 0
 
@@ -241,12 +250,22 @@ def _compare(
     new_tokens: torch.Tensor,
     rate: float,
     device: torch.device,
+    static: bool = False,
 ) -> str:
-    """Time plain `target.generate` with the same settings and describe the speedup and output identity."""
-    baseline, seconds = _timed(device, lambda: target.generate(**inputs, **common))
-    baseline_tokens = baseline[0, inputs["input_ids"].shape[1] :]
-    baseline_rate = len(baseline_tokens) / seconds
+    """Time plain `target.generate` with the same settings and describe the speedup and output identity; `static`:
+    greedy decoding is compared with plain greedy on a static cache (warmed up first: Transformers compiles it on a
+    GPU)."""
     mode = "sampling" if common["do_sample"] else "greedy"
+    if static and not common["do_sample"]:
+        runner = static_cache_runner(target)
+        runner(inputs["input_ids"][:, :WARMUP_PROMPT_TOKENS], 2)
+        run = runner(inputs["input_ids"], common["max_new_tokens"])
+        baseline_tokens, seconds = torch.tensor(run.new_tokens), run.seconds
+        mode = "greedy, static cache"
+    else:
+        baseline, seconds = _timed(device, lambda: target.generate(**inputs, **common))
+        baseline_tokens = baseline[0, inputs["input_ids"].shape[1] :]
+    baseline_rate = len(baseline_tokens) / seconds
     if common["do_sample"]:
         identical = "n/a (sampling)"
     else:

@@ -1,23 +1,58 @@
-"""Small in-place edits of a `DynamicCache` that speculative decoding needs.
+"""The KV caches of a generation call and the small in-place edits speculative decoding makes to them.
 
-They work on the cache's per-layer `keys`/`values` tensors (shape `(batch, heads, seq, head_dim)`), so they behave
-the same whatever `crop` semantics the installed Transformers version has. Truncation is a view (no copy).
+A call's caches are Transformers caches: a `DynamicCache` (the default), or, with `compile=True`, a `Cache` of
+`StaticLayer`s ([`static_cache`]) whose fixed buffers a compiled forward (and its CUDA graphs) can keep addressing.
+The edits work on each layer's `keys`/`values` tensors (shape `(batch, heads, seq, head_dim)`), so they behave the
+same whatever `crop` semantics the installed Transformers version has. On a dynamic layer truncation is a view (no
+copy); on a static layer it moves the layer's fill mark (`cumulative_length`), and every other edit rewrites the
+filled part of the buffers in place. Edits that depend on the filled length take it from the caller (`length`), who
+knows it on the host.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin, StaticLayer
 
 
-def _layers(cache: DynamicCache):
+def static_cache(num_layers: int, max_cache_len: int) -> Cache:
+    """A cache of `num_layers` full-length `StaticLayer`s of `max_cache_len` positions (allocated at the first forward).
+
+    Every layer holds the whole context, sliding-window layers included: the engine keeps each row contiguous, so the
+    window is enforced by the attention mask exactly as with a `DynamicCache`, and the edits below stay plain slices.
+    """
+    return Cache(layers=[StaticLayer(max_cache_len=max_cache_len) for _ in range(num_layers)])
+
+
+def is_static(cache: Cache) -> bool:
+    """Whether `cache` has fixed buffers (built by [`static_cache`])."""
+    return any(isinstance(layer, StaticLayer) for layer in cache.layers)
+
+
+def _layers(cache: Cache) -> list[CacheLayerMixin]:
     return [layer for layer in cache.layers if getattr(layer, "is_initialized", True) and layer.keys is not None]
 
 
-def truncate_cache(cache: DynamicCache, length: int) -> None:
-    """Keep the first `length` positions of every layer (a view: rolling back costs no copy)."""
+def _set_length(layer: StaticLayer, length: int) -> None:
+    layer.cumulative_length.fill_(length)  # in place: compiled forwards keep reading the same tensor
+
+
+def _rewrite(layer: CacheLayerMixin, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+    """Make `keys`/`values` the layer's first `length` positions (a static layer's buffers are written in place)."""
+    if isinstance(layer, StaticLayer):
+        layer.keys[..., :length, :].copy_(keys)
+        layer.values[..., :length, :].copy_(values)
+        _set_length(layer, length)
+    else:
+        layer.keys, layer.values = keys, values
+
+
+def truncate_cache(cache: Cache, length: int) -> None:
+    """Keep the first `length` positions of every layer (no copy: rolling back is free)."""
     for layer in _layers(cache):
-        if layer.keys.shape[-2] > length:
+        if isinstance(layer, StaticLayer):
+            _set_length(layer, length)
+        elif layer.keys.shape[-2] > length:
             layer.keys = layer.keys[..., :length, :]
             layer.values = layer.values[..., :length, :]
 
@@ -32,24 +67,47 @@ def shift_right(tensor: torch.Tensor, shifts: torch.Tensor, dim: int) -> torch.T
     return torch.gather(tensor, dim, index)
 
 
-def shift_cache_right(cache: DynamicCache, shifts: torch.Tensor) -> None:
-    """Right-align every row again after rows committed different numbers of tokens."""
+def shift_cache_right(cache: Cache, shifts: torch.Tensor, length: int) -> None:
+    """Right-align every row of the first `length` positions again after rows committed different numbers of
+    tokens."""
     for layer in _layers(cache):
-        layer.keys = shift_right(layer.keys, shifts.to(layer.keys.device), dim=2)
-        layer.values = shift_right(layer.values, shifts.to(layer.values.device), dim=2)
+        keys, values = layer.keys[..., :length, :], layer.values[..., :length, :]
+        shifts = shifts.to(keys.device)
+        _rewrite(layer, shift_right(keys, shifts, dim=2), shift_right(values, shifts, dim=2), length)
 
 
-def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
-    """Keep only the batch rows `rows` (finished rows leave the batch)."""
+def drop_leading(cache: Cache, count: int, length: int) -> None:
+    """Drop the first `count` of the `length` filled positions (padding every row has): what follows moves left."""
+    for layer in _layers(cache):
+        keys, values = layer.keys[..., count:length, :], layer.values[..., count:length, :]
+        if isinstance(layer, StaticLayer):  # overlapping source and destination: copy first
+            keys, values = keys.clone(), values.clone()
+        _rewrite(layer, keys, values, length - count)
+
+
+def select_rows(cache: Cache, rows: torch.Tensor) -> None:
+    """Keep only the batch rows `rows` (finished rows leave the batch; a static layer gets new, smaller buffers)."""
     for layer in _layers(cache):
         layer.keys = layer.keys[rows.to(layer.keys.device)]
         layer.values = layer.values[rows.to(layer.values.device)]
+        if isinstance(layer, StaticLayer):
+            layer.batch_size = layer.keys.shape[0]
+            torch._dynamo.mark_static_address(layer.keys)
+            torch._dynamo.mark_static_address(layer.values)
 
 
-def keep_path(cache: DynamicCache, start: int, order: torch.LongTensor) -> None:
+def keep_path(cache: Cache, start: int, order: torch.LongTensor) -> None:
     """Replace the positions from `start` on with the positions `start + order[row]` of each row (a tree verify keeps
-    only its accepted path, `order` of shape `(batch, width)`)."""
+    only its accepted path, `order` of shape `(batch, width)`); the cache then ends after the path."""
+    width = order.shape[1]
     for layer in _layers(cache):
         index = order.to(layer.keys.device)[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-        layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys[..., start:, :].gather(2, index)], dim=2)
-        layer.values = torch.cat([layer.values[..., :start, :], layer.values[..., start:, :].gather(2, index)], dim=2)
+        path_keys = layer.keys[..., start:, :].gather(2, index)
+        path_values = layer.values[..., start:, :].gather(2, index)
+        if isinstance(layer, StaticLayer):
+            layer.keys[..., start : start + width, :].copy_(path_keys)
+            layer.values[..., start : start + width, :].copy_(path_values)
+            _set_length(layer, start + width)
+        else:
+            layer.keys = torch.cat([layer.keys[..., :start, :], path_keys], dim=2)
+            layer.values = torch.cat([layer.values[..., :start, :], path_values], dim=2)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numbers
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import CompileConfig, GenerationConfig, PreTrainedModel
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
@@ -57,6 +57,7 @@ def custom_generate(
     candidates: str = DEFAULT_CANDIDATES,
     lookup_tokens: int | None = None,
     oracle: OracleDrafts | None = None,
+    compile: bool | CompileConfig = False,
     **model_kwargs,
 ) -> DFlashGenerateOutput | torch.LongTensor:
     """DFlash decoding as a Transformers `custom_generate` callable.
@@ -66,7 +67,7 @@ def custom_generate(
     the drafter's block size for this call, or be `"adaptive"` (see [`AdaptiveBlockSize`]) or a policy object.
     `sampling_proposal` (with `do_sample=True`): `"argmax"` drafts each slot's most likely token, `"sample"` samples
     each slot from the drafter's distribution; both keep the output distributed exactly as the target's.
-    `candidates`: `"dflash"`, `"dflash+lookup"` or `"tree"`, `lookup_tokens`, `oracle`: see [`generate`].
+    `candidates`: `"dflash"`, `"dflash+lookup"` or `"tree"`, `lookup_tokens`, `oracle`, `compile`: see [`generate`].
 
     Stop strings: Transformers 5.23/5.24 drop the `tokenizer` argument before calling a `custom_generate` callable,
     so `target.generate(..., stop_strings=..., tokenizer=tok, custom_generate=...)` fails in Transformers itself;
@@ -102,6 +103,7 @@ def custom_generate(
         candidates=candidates,
         lookup_tokens=lookup_tokens,
         oracle=oracle,
+        compile=compile,
     )
     output = decoder.run()
     return output if generation_config.return_dict_in_generate else output.sequences
@@ -117,6 +119,7 @@ def generate(
     candidates: str = DEFAULT_CANDIDATES,
     lookup_tokens: int | None = None,
     oracle: OracleDrafts | None = None,
+    compile: bool | CompileConfig = False,
     **kwargs,
 ) -> DFlashGenerateOutput | torch.LongTensor:
     """Lossless speculative generation with a DFlash drafter.
@@ -140,6 +143,10 @@ def generate(
     `oracle` ([`dflash_hf.engine.oracle.OracleDrafts`], greedy, `candidates` other than `"tree"`): the drafter runs as
     always, but its drafts are replaced by each row's known greedy continuation, each slot kept with a probability
     (the bench's oracle rows: the engine's cost at a chosen acceptance); the output is unchanged.
+    `compile=True` (or a `transformers.CompileConfig`): the target's keys and values live in a static cache and every
+    verify forward runs compiled at a fixed width (`dflash_hf.engine.compilation`; on a GPU, CUDA graphs); the first
+    call of each shape compiles, later calls reuse it. The output is what plain greedy decoding gives on the same
+    kernels, as without it.
 
     Logits processors outside `dflash_hf.engine.processing.EXACT_PROCESSORS` (e.g. `guidance_scale`, custom
     `logits_processor` objects) and `inputs_embeds` are refused with a `ValueError`; `stop_strings` need the
@@ -173,5 +180,6 @@ def generate(
         candidates=candidates,
         lookup_tokens=lookup_tokens,
         oracle=oracle,
+        compile=compile,
         **kwargs,
     )

@@ -10,11 +10,13 @@ edits (`cache_ops`), block-size policies (`block_size`), tree masks and acceptan
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation.configuration_utils import CompileConfig
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
@@ -25,9 +27,10 @@ from ..target.adapter import TargetAdapter
 from ..target.grouped_attention import grouped_attention
 from .acceptance import DEFAULT_SAMPLING_PROPOSAL
 from .block_size import BlockSizePolicy, make_block_size_policy
-from .cache_ops import keep_path, select_rows, shift_cache_right, shift_right, truncate_cache
+from .cache_ops import drop_leading, is_static, keep_path, select_rows, shift_cache_right, shift_right, truncate_cache
 from .candidates import DEFAULT_CANDIDATES, CandidatePlan, DFlashChain, Readout, Verdict, candidate_source
 from .checks import check_drafter, check_options
+from .compilation import STATIC_CACHES, compile_config_of
 from .lookup import Lookups
 from .oracle import OracleDrafts, oracle_chain
 from .output import DFlashGenerateOutput
@@ -56,8 +59,10 @@ class GenerationCall:
         candidates: str = DEFAULT_CANDIDATES,
         lookup_tokens: int | None = None,
         oracle: OracleDrafts | None = None,
+        compile: bool | CompileConfig = False,
     ) -> None:
         check_options(candidates, sampling_proposal, lookup_tokens)
+        self.compile_config = compile_config_of(compile)
         check_drafter(drafter)
         self.adapter = TargetAdapter.for_drafter(target, drafter)
         self.drafter = drafter
@@ -80,7 +85,8 @@ class GenerationCall:
             stopping_criteria=stopping_criteria,
             streamer=streamer,
         )
-        self.target_cache, self.draft_cache = DynamicCache(), DynamicCache()
+        self.target_cache: Cache = DynamicCache()
+        self.draft_cache = DynamicCache()
         self.draft_timer = Stopwatch(self.device)
         self.verify_timer = Stopwatch(self.device)
         self.prefill_timer = Stopwatch(self.device)
@@ -129,26 +135,37 @@ class GenerationCall:
         self.source = candidate_source(
             self.plan, chain, Lookups(lookup_tokens, self.sequences.text, self.sequences.remaining)
         )
+        if self.compile_config is not None:  # room for the longest row and the widest verify after it
+            needed = self.sequences.max_length + self.plan.verify_width
+            self.target_cache = STATIC_CACHES.take(self.adapter.target, self.adapter.num_layers, self.batch, needed)
         self.verifier = Verifier(
-            self.adapter, self.target_cache, self.choice, self.plan.verify_width, self.verify_timer
+            self.adapter, self.target_cache, self.choice, self.plan.verify_width, self.verify_timer, self.compile_config
         )
 
     def run(self) -> DFlashGenerateOutput:
         """Prefill, then propose / re-align / verify / commit cycles until every row has stopped."""
-        with grouped_attention(self.adapter.target), grouped_attention(self.drafter):
-            state = self._prefill()
-            self.sequences.stream()
-            while state.rows:
-                self._cycle(state)
-                self.sequences.judge_columns()
-                self._drop_finished(state)
+        try:
+            # compiled forwards keep Transformers' own attention: the engine's CPU kernels are chosen per call
+            target_kernels = contextlib.nullcontext() if self.compile_config else grouped_attention(self.adapter.target)
+            with target_kernels, grouped_attention(self.drafter):
+                state = self._prefill()
                 self.sequences.stream()
+                while state.rows:
+                    self._cycle(state)
+                    self.sequences.judge_columns()
+                    self._drop_finished(state)
+                    self.sequences.stream()
+        finally:
+            if is_static(self.target_cache):
+                STATIC_CACHES.give_back(self.adapter.target, self.batch, self.target_cache)
         self.sequences.end_stream()
         return self._output()
 
     def _cycle(self, state: ActiveRows) -> None:
         """2-5: propose (draft), re-align, verify, commit; then the policies learn what the cycle kept and cost."""
-        block = max(1, min(self.policy.next_block_size(), self.sequences.remaining(state.rows) + 1))
+        block = self.policy.next_block_size()
+        if self.compile_config is None:  # compiled verifies keep their widths to the end (the output is cut)
+            block = max(1, min(block, self.sequences.remaining(state.rows) + 1))
         cycle_start = time.perf_counter()
         block_pos = state.block_positions(block)
         proposal = self.source.propose(state, block, block_pos)
@@ -189,14 +206,21 @@ class GenerationCall:
         return state
 
     def _realign(self, state: ActiveRows) -> None:
-        """3. Shift right the rows that committed fewer tokens last cycle (both caches now have the same layout)."""
-        if not any(state.shifts):
-            return
-        shift = state.pending_shift
-        shift_cache_right(self.target_cache, shift)
-        shift_cache_right(self.draft_cache, shift)
-        vacated = torch.arange(state.mask.shape[1], device=self.device)[None, :] < shift[:, None]
-        state.mask = shift_right(state.mask, shift, dim=1).masked_fill(vacated, 0)
+        """3. Shift right the rows that committed fewer tokens last cycle (both caches now have the same layout);
+        on a static cache, drop the padding all rows share when the widest verify would not fit after it."""
+        length = state.mask.shape[1]
+        if any(state.shifts):
+            shift = state.pending_shift
+            shift_cache_right(self.target_cache, shift, length)
+            shift_cache_right(self.draft_cache, shift, length)
+            vacated = torch.arange(length, device=self.device)[None, :] < shift[:, None]
+            state.mask = shift_right(state.mask, shift, dim=1).masked_fill(vacated, 0)
+        if self.verifier.keys is not None and length + self.plan.verify_width > self.verifier.keys:
+            common = min(state.padding)
+            drop_leading(self.target_cache, common, length)
+            drop_leading(self.draft_cache, common, length)
+            state.mask = state.mask[:, common:]
+            state.padding = [padding - common for padding in state.padding]
 
     def _commit(self, state: ActiveRows, block: int, verdict: Verdict, readout: Readout) -> None:
         """5. Anchor + accepted candidates enter the caches (a tree verify keeps the accepted path's positions only),

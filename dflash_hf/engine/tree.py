@@ -50,20 +50,44 @@ def tree_attention_mask(
     dtype: torch.dtype,
     positions: torch.LongTensor | None = None,
     sliding_window: int | None = None,
+    keys: int | None = None,
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """The additive 4-D mask `(batch, 1, W, context + W)` of a tree verify: padded context positions and non-ancestor
     nodes hidden. With a `sliding_window` (Gemma 3), a mask per layer type: the sliding layers also hide the context
     keys at least `sliding_window` positions before a node (`positions`: the nodes' positions; the context is
-    right-aligned and contiguous, so its positions follow from `padding`)."""
+    right-aligned and contiguous, so its positions follow from `padding`). `keys`: the mask covers that many keys (a
+    static cache's length), those after the nodes hidden."""
     width = sees.shape[-1]
     context = padding.bool()[:, None, :].expand(-1, width, -1)
-    visible = torch.cat([context, sees], dim=-1)[:, None]
+    visible = torch.cat([context, sees], dim=-1)
+    after = 0 if keys is None else keys - visible.shape[-1]
+    visible = torch.nn.functional.pad(visible, (0, after))[:, None]
     full = _additive(visible, dtype)
     if sliding_window is None:
         return full
     key_positions = torch.cat([padding.long().cumsum(-1) - 1, positions], dim=-1)
-    near = key_positions[:, None, :] > positions[:, :, None] - sliding_window
+    near = torch.nn.functional.pad(key_positions[:, None, :] > positions[:, :, None] - sliding_window, (0, after))
     return {"full_attention": full, "sliding_attention": _additive(visible & near[:, None], dtype)}
+
+
+def pad_trees(trees: TokenTrees, width: int) -> TokenTrees:
+    """`trees` padded to `width` nodes per row with copies of the root under the root (never valid, so never
+    accepted), as a compiled verify of fixed width needs."""
+    extra = width - trees.ids.shape[1]
+    if extra <= 0:
+        return trees
+
+    def padded(tensor: torch.Tensor, value) -> torch.Tensor:
+        return torch.cat([tensor, tensor.new_full((tensor.shape[0], extra), value)], dim=1)
+
+    roots = trees.ids[:, :1].expand(-1, extra)
+    return trees._replace(
+        ids=torch.cat([trees.ids, roots], dim=1),
+        parents=padded(trees.parents, 0),
+        depths=padded(trees.depths, 1),
+        valid=padded(trees.valid, False),
+        from_lookup=padded(trees.from_lookup, False),
+    )
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

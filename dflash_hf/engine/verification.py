@@ -12,7 +12,8 @@ import warnings
 
 import torch
 from transformers import PreTrainedModel
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import Cache
+from transformers.generation.configuration_utils import CompileConfig
 
 from ..runtime import Stopwatch
 from ..target import row_exact
@@ -21,7 +22,7 @@ from ..target.windows import sliding_window_of
 from .candidates import Proposal, Verdict
 from .rows import ActiveRows
 from .token_choice import TokenChoice
-from .tree import accept_tree, ancestor_mask, tree_attention_mask, tree_path
+from .tree import accept_tree, ancestor_mask, pad_trees, tree_attention_mask, tree_path
 
 
 def row_exact_verification(target: PreTrainedModel, verify_width: int) -> bool:
@@ -40,14 +41,30 @@ def row_exact_verification(target: PreTrainedModel, verify_width: int) -> bool:
 
 
 class Verifier:
-    """The verify forwards of one call, on its target cache; `verify_width` is the widest verify it will run."""
+    """The verify forwards of one call, on its target cache; `verify_width` is the widest verify it will run.
+
+    With a `compile_config` (and a static cache), every forward runs compiled at a fixed shape: trees padded to
+    `verify_width`, masks over the whole cache (`compilation`); row-exact verification is then not installed."""
 
     def __init__(
-        self, adapter: TargetAdapter, cache: DynamicCache, choice: TokenChoice, verify_width: int, timer: Stopwatch
+        self,
+        adapter: TargetAdapter,
+        cache: Cache,
+        choice: TokenChoice,
+        verify_width: int,
+        timer: Stopwatch,
+        compile_config: CompileConfig | None = None,
     ) -> None:
         self.adapter, self.cache, self.choice, self.timer = adapter, cache, choice, timer
-        self.row_exact = row_exact_verification(adapter.target, verify_width)
+        self.verify_width, self.compile_config = verify_width, compile_config
+        self.row_exact = compile_config is None and row_exact_verification(adapter.target, verify_width)
         self.sliding_window = sliding_window_of(adapter.target.config)
+        self.keys = cache.layers[0].max_cache_len if compile_config is not None else None
+
+    def _new_keys(self, state: ActiveRows, width: int) -> int:
+        """Positions the verify's mask adds after the cached ones: the verified ones, or the rest of a static
+        cache."""
+        return width if self.keys is None else self.keys - state.mask.shape[1]
 
     def verify(self, state: ActiveRows, block_pos: torch.LongTensor, proposal: Proposal) -> Verdict:
         """The target's verdict on `proposal`, whose candidates enter the target cache (the caller keeps the path).
@@ -59,8 +76,8 @@ class Verifier:
     def _chain(self, state: ActiveRows, block_pos: torch.LongTensor, proposal: Proposal) -> Verdict:
         block_ids = torch.cat([state.anchors[:, None], proposal.tokens], dim=1)
         with self.timer, row_exact.verification(self.row_exact):
-            mask = state.attention_mask(block_ids.shape[1])
-            step = self.adapter.forward(block_ids, mask, block_pos, self.cache)
+            mask = state.attention_mask(self._new_keys(state, block_ids.shape[1]))
+            step = self.adapter.forward(block_ids, mask, block_pos, self.cache, self.compile_config)
             target_logits = self.adapter.logits(step.last_hidden_state)
             accepted, next_tokens = self.choice.accept(
                 target_logits, block_ids, proposal.tokens, proposal.probs, state.rows
@@ -68,13 +85,13 @@ class Verifier:
         return Verdict(accepted, next_tokens, step, proposal.tokens, [proposal.block] * len(state.rows))
 
     def _trees(self, state: ActiveRows, block_pos: torch.LongTensor, proposal: Proposal) -> Verdict:
-        trees = proposal.trees
+        trees = proposal.trees if self.compile_config is None else pad_trees(proposal.trees, self.verify_width)
         positions = block_pos[:, :1] + trees.depths
         sees = ancestor_mask(trees.parents, trees.depth)
         with self.timer, row_exact.verification(self.row_exact):
             dtype = self.adapter.embed_tokens.weight.dtype
-            mask = tree_attention_mask(state.mask, sees, dtype, positions, self.sliding_window)
-            step = self.adapter.forward(trees.ids, mask, positions, self.cache)
+            mask = tree_attention_mask(state.mask, sees, dtype, positions, self.sliding_window, self.keys)
+            step = self.adapter.forward(trees.ids, mask, positions, self.cache, self.compile_config)
             target_tokens = self.choice.node_tokens(self.adapter.logits(step.last_hidden_state), state.rows)
         result = accept_tree(trees.ids, trees.parents, trees.depths, trees.valid, target_tokens, trees.depth)
         order = tree_path(trees.parents, result.best, result.accepted, trees.depth + 1)

@@ -11,11 +11,13 @@ import numpy
 import pytest
 import torch
 from testing_utils import make_drafter, make_llama, make_oracle, make_target, make_word_tokenizer, save_tiny_target
+from transformers import CompileConfig
 from transformers.cache_utils import StaticCache
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, bench, cli, runtime
 from dflash_hf.bench import methods as bench_methods
 from dflash_hf.commands.bench import _command_line
+from dflash_hf.engine.compilation import STATIC_CACHE_MIN_LENGTH, static_cache_length
 from dflash_hf.target import grouped_attention
 from dflash_hf.target.adapter import engine_kernels, uses_engine_kernels
 
@@ -844,6 +846,40 @@ def test_static_cache_baseline_is_exact_reuses_its_cache_and_has_its_column(setu
     )  # fmt: skip
     static = _method(result, "greedy_static").summary
     assert static.exact and static.tau == 1.0
-    assert [kw["max_cache_len"] for kw in built] == [bench_methods.STATIC_CACHE_MIN_LENGTH]  # warm-up's, kept
+    assert [kw["max_cache_len"] for kw in built] == [STATIC_CACHE_MIN_LENGTH]  # warm-up's, kept
     assert "vs static-cache greedy |" in bench.markdown_table(result)
-    assert bench_methods._static_cache_length(5000) == 8192
+    assert static_cache_length(5000) == 8192
+
+
+def test_compile_runs_every_engine_row_compiled_beside_the_static_baseline(setup, monkeypatch):
+    """`--compile` (`compile=True` in the method builders): every engine row, oracle and sampling rows included,
+    calls the engine with `compile=True`, says so in its description, and greedy_static is a row on any device."""
+    import dflash_hf.engine.generation_call as generation_call
+
+    target, drafter, prompts = setup
+    eager = CompileConfig(backend="eager", mode=None, fullgraph=True)
+    calls = []
+
+    def recording(value):
+        calls.append(value)
+        return eager if value else None
+
+    monkeypatch.setattr(generation_call, "compile_config_of", recording)
+    methods = bench.default_methods(
+        target, drafter, block_sizes=[4], adaptive=False, lookup_branch=True, draft_tree=False, compile=True
+    )
+    methods += bench.oracle_methods(target, drafter, [1.0], [4], compile=True)
+    methods += bench.sampling_methods(target, drafter, [0.8], 4, compile=True)
+    names = [m.name for m in methods]
+    assert "greedy_static" in names
+    engine = [m for m in methods if m.name.startswith(("dflash_", "oracle_"))]
+    assert len(engine) == 5 and all("compile=True" in m.description for m in engine)
+    assert not any("compile=True" in m.description for m in methods if m not in engine)
+    result = bench.run_bench(
+        target, drafter, prompts[:1], max_new_tokens=MAX_NEW, methods=methods, warmup_tokens=0, progress=False,
+        profile_costs=False,
+    )  # fmt: skip
+    assert calls and all(calls)
+    for method in engine:
+        if not method.name.endswith(("_argmax", "_sample")):
+            assert _method(result, method.name).summary.exact, method.name

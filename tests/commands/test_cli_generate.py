@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 from testing_utils import COMPARE, SUMMARY, make_drafter, make_llama, save_tiny_target
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, CompileConfig
 
 from dflash_hf import cli, drafters, fileio, precision, runtime, targets
 
@@ -119,6 +119,24 @@ def test_sampling_compare(folders, capsys):
     assert code == 0
     match = _summary(out, COMPARE)
     assert match.group(2) == "sampling" and match.group(4) == "n/a (sampling)"
+
+
+def test_compile_runs_the_compiled_engine_and_compares_with_static_greedy(folders, capsys, monkeypatch):
+    """`--compile`: the engine compiles its verify forwards (a counting-free eager backend stands in for inductor on
+    CPU), and `--compare` times plain greedy on a static cache; the answers are the same."""
+    import dflash_hf.engine.generation_call as generation_call
+
+    configs = []
+
+    def eager_config(value):
+        configs.append(value)
+        return CompileConfig(backend="eager", mode=None, fullgraph=True) if value else None
+
+    monkeypatch.setattr(generation_call, "compile_config_of", eager_config)
+    code, out, err = _generate(capsys, folders, "the cat sat", 12, "--compile", "--compare", "--dtype", "float32")
+    assert code == 0 and configs == [True, True]  # the warm-up and the timed call
+    match = _summary(out, COMPARE)
+    assert match.group(2) == "greedy, static cache" and match.group(4) == "yes"
 
 
 @pytest.mark.parametrize("proposal", ["argmax", "sample"])

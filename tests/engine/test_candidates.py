@@ -58,9 +58,9 @@ def test_the_call_sets_up_row_exact_verification_for_its_plans_width(monkeypatch
     widths = []
     real = generation_call.Verifier.__init__
 
-    def recording(self, adapter, cache, choice, verify_width, timer):
+    def recording(self, adapter, cache, choice, verify_width, *args):
         widths.append(verify_width)
-        real(self, adapter, cache, choice, verify_width, timer)
+        real(self, adapter, cache, choice, verify_width, *args)
 
     monkeypatch.setattr(generation_call.Verifier, "__init__", recording)
     prompt = torch.randint(3, 64, (1, 12), generator=torch.Generator().manual_seed(0))

@@ -9,12 +9,15 @@ from testing_utils import (
     chi_square,
     chi_square_bound,
     exact_joint_of_tokens_2_and_3,
+    make_drafter,
+    make_target,
     tiny_sampling_models,
 )
 
 import dflash_hf
 import dflash_hf.engine.token_choice as token_choice
 from dflash_hf import DFlashConfig, DFlashDraftModel
+from dflash_hf.target import adapter
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +84,17 @@ def test_biased_sampler_is_caught(setup, monkeypatch):
     monkeypatch.setattr(token_choice, "rejection_sample", accept_everything)
     statistic, cells = chi_square(target, drafter, prompt, expected)
     assert statistic > chi_square_bound(cells), statistic
+
+
+def test_a_seeded_call_is_reproducible_from_the_first_call_on():
+    """Nothing the engine sets up on a target's first call (the prepacked LM head of a float32 CPU target) draws from
+    the global generator: the same seed gives the same tokens on the first call as on every later one."""
+    adapter._PREPACKED.clear()
+    target = make_target("llama", seed=11)
+    drafter = make_drafter(target)
+    prompt = torch.randint(3, 64, (1, 9), generator=torch.Generator().manual_seed(3))
+    outputs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        outputs.append(dflash_hf.generate(target, drafter, prompt, max_new_tokens=24, do_sample=True, top_k=20))
+    assert torch.equal(outputs[0], outputs[1])
