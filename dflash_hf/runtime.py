@@ -1,14 +1,18 @@
 """What the machine offers a run: the default device and dtype, CUDA-synchronised wall clocks, stopwatches that do not
-wait for the device, available CPUs."""
+wait for the device, available CPUs, and modules' compiled calls."""
 
 from __future__ import annotations
 
 import os
 import platform
+import threading
 import time
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from transformers.generation.configuration_utils import CompileConfig
 
 
 def available_cpus() -> int:
@@ -158,3 +162,28 @@ def mkl_mode() -> str:
         return "no MKL"
     value = os.environ.get("MKL_CBWR")
     return "MKL default code path" if value is None else f"MKL_CBWR={value}"
+
+
+# graphs one compiled call may hold: every width, batch size and mask kind compiles once, and Transformers' models
+# share the wrapper functions dynamo counts them on (its default limit, 8, would send later shapes to eager)
+COMPILED_SHAPES = 64
+# the compiled calls of modules, one per module: its last `CompileConfig` and the call compiled with it
+_COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[CompileConfig, Callable]]" = weakref.WeakKeyDictionary()
+_COMPILED_LOCK = threading.Lock()
+
+
+def compiled_call(module: torch.nn.Module, compile_config: CompileConfig) -> Callable:
+    """`module.__call__` compiled with `compile_config` (compiled once, kept while the config stays the same, as
+    Transformers' `get_compiled_call` keeps a generating model's), allowed [`COMPILED_SHAPES`] graphs."""
+    with _COMPILED_LOCK:
+        held = _COMPILED.get(module)
+        if held is None or held[0] != compile_config:
+            held = (compile_config, torch.compile(module.__call__, **compile_config.to_dict()))
+            _COMPILED[module] = held
+    compiled = held[1]
+
+    def call(*args, **kwargs):
+        with torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES):
+            return compiled(*args, **kwargs)
+
+    return call

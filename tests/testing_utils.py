@@ -145,10 +145,16 @@ class OracleDrafter(DFlashDraftModel):
         **kwargs,
     ):
         out = super().forward(noise_embeds, context_hidden_states, position_ids, attention_mask, cache=cache, **kwargs)
+        out.last_hidden_state = self._oracle_states(noise_embeds, position_ids, out.last_hidden_state)
+        return out
+
+    @torch.compiler.disable  # host-side lookups: a compiled drafter (`compile=True`) runs them eagerly
+    def _oracle_states(self, noise_embeds, position_ids, last_hidden_state):
+        """Final states whose LM-head logits put the reference's token (or its corruption) on top of every slot."""
         block = noise_embeds.shape[1]
         embed_table = self._embed_table
         anchor_ids = (noise_embeds[:, 0, None, :] - embed_table[None]).abs().sum(-1).argmin(-1)
-        hidden = torch.zeros_like(out.last_hidden_state, dtype=torch.float64)
+        hidden = torch.zeros_like(last_hidden_state, dtype=torch.float64)
         for b in range(noise_embeds.shape[0]):
             anchor_pos = int(position_ids[b, -block])
             row = self._by_anchor.get((anchor_pos, int(anchor_ids[b])))
@@ -162,8 +168,7 @@ class OracleDrafter(DFlashDraftModel):
                 target_logits = torch.full((self._vocab,), -10.0, dtype=torch.float64)
                 target_logits[token] = 10.0
                 hidden[b, slot] = self._inverse @ target_logits
-        out.last_hidden_state = hidden.to(out.last_hidden_state.dtype)
-        return out
+        return hidden.to(last_hidden_state.dtype)
 
 
 def make_oracle(target, references, corrupt=None, block_size: int = 4) -> OracleDrafter:

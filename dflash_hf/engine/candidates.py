@@ -23,9 +23,10 @@ from typing import NamedTuple, Protocol
 
 import torch
 from transformers import PreTrainedModel
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import Cache
+from transformers.generation.configuration_utils import CompileConfig
 
-from ..runtime import Stopwatch
+from ..runtime import Stopwatch, compiled_call
 from ..target.adapter import TargetAdapter, TargetStep
 from .cache_ops import truncate_cache
 from .draft_tree import DEFAULT_TREE_NODES, DraftTree, DraftTreeSearch, pack_trees
@@ -168,12 +169,18 @@ class DFlashChain:
         self,
         drafter: PreTrainedModel,
         adapter: TargetAdapter,
-        cache: DynamicCache,
+        cache: Cache,
         choice: TokenChoice,
         timer: Stopwatch,
+        compile_config: CompileConfig | None = None,
+        context_width: int = 0,
     ) -> None:
+        """With `compile_config` (and a static `cache`) the drafter's forward runs compiled at one shape per block
+        size: the pending context padded to `context_width` tokens (hidden), the mask over the whole cache; the first
+        forward (it allocates the cache) and a longer pending context run eagerly."""
         self.drafter, self.adapter, self.cache, self.choice, self.timer = drafter, adapter, cache, choice, timer
         self.mask_token_id = int(drafter.config.mask_token_id)
+        self.compile_config, self.context_width = compile_config, context_width
 
     def attention_mask(self, state: ActiveRows, block: int) -> torch.Tensor | None:
         """The drafter's mask over its keys (cache, pending context, block): `None` when no row is padded, else in
@@ -188,16 +195,46 @@ class DFlashChain:
         """One drafter forward; returns the draft slots' logits and final hidden states."""
         noise_ids = torch.full((len(state.rows), block), self.mask_token_id, dtype=torch.long, device=block_pos.device)
         noise_ids[:, 0] = state.anchors
-        out = self.drafter(
+        context, context_pos, mask = state.pending_context_hidden_states, state.pending_pos, None
+        call = self.drafter
+        if self.compile_config is None:
+            mask = self.attention_mask(state, block)
+        else:
+            hidden = max(0, self.context_width - context.shape[1])
+            if hidden:  # padded to the compiled width: hidden keys, written where the block's own are dropped
+                context = torch.nn.functional.pad(context, (0, 0, 0, hidden))
+                context_pos = torch.cat([context_pos, context_pos[:, -1:].expand(-1, hidden)], dim=1)
+            if context.shape[1] == self.context_width and self.cache.layers[0].is_initialized:  # not the first call
+                call = compiled_call(self.drafter, self.compile_config)
+            mask = self.static_mask(state, block, hidden)
+        out = call(
             noise_embeds=self.adapter.embed(noise_ids),
-            context_hidden_states=state.pending_context_hidden_states,
-            position_ids=torch.cat([state.pending_pos, block_pos], dim=1),
-            attention_mask=self.attention_mask(state, block),
+            context_hidden_states=context,
+            position_ids=torch.cat([context_pos, block_pos], dim=1),
+            attention_mask=mask,
             cache=self.cache,
         )
         truncate_cache(self.cache, state.mask.shape[1])
         hidden_states = out.last_hidden_state[:, 1:]
+        if call is not self.drafter:  # a copy that a later replay of the drafter's CUDA graphs does not overwrite
+            hidden_states = hidden_states.clone()
         return self.adapter.logits(hidden_states, self.choice.draft_token_ids), hidden_states
+
+    def static_mask(self, state: ActiveRows, block: int, hidden: int) -> torch.Tensor:
+        """The drafter's 4-D boolean mask over its static cache: the cached and pending context as the rows' padding
+        says, `hidden` padding tokens hidden, the block seen, the rest of the cache hidden."""
+        keys = self.cache.layers[0].max_cache_len
+        rows, context = state.mask.shape
+        seen = torch.cat(
+            [
+                state.mask.bool(),
+                state.mask.new_zeros(rows, hidden, dtype=torch.bool),
+                state.mask.new_ones(rows, block, dtype=torch.bool),
+                state.mask.new_zeros(rows, keys - context - hidden - block, dtype=torch.bool),
+            ],
+            dim=1,
+        )
+        return seen[:, None, None, :].expand(-1, 1, block, -1)
 
     def propose(self, state: ActiveRows, block: int, block_pos: torch.LongTensor) -> Proposal:
         """The chain's drafts (block 1: a plain step, the drafter reads the new context and nothing is drafted)."""

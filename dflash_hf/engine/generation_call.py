@@ -120,7 +120,17 @@ class GenerationCall:
         # alone; sampling verifies the DFlash block (the chain) alone
         tree_verify = not do_sample and (process.is_identity or process.prefix_free)
         self.plan = CandidatePlan(candidates, self.max_block, lookup_tokens, tree_verify)
-        chain = DFlashChain(self.drafter, self.adapter, self.draft_cache, self.choice, self.draft_timer)
+        if self.compile_config is not None:
+            self._take_static_caches()
+        chain = DFlashChain(
+            self.drafter,
+            self.adapter,
+            self.draft_cache,
+            self.choice,
+            self.draft_timer,
+            self.compile_config if is_static(self.draft_cache) else None,
+            context_width=self.plan.verify_width,  # the longest path a verify commits
+        )
         if oracle is not None:
             chain = oracle_chain(
                 chain,
@@ -135,19 +145,28 @@ class GenerationCall:
         self.source = candidate_source(
             self.plan, chain, Lookups(lookup_tokens, self.sequences.text, self.sequences.remaining)
         )
-        if self.compile_config is not None:  # room for the longest row and the widest verify after it
-            needed = self.sequences.max_length + self.plan.verify_width
-            self.target_cache = STATIC_CACHES.take(self.adapter.target, self.adapter.num_layers, self.batch, needed)
         self.verifier = Verifier(
             self.adapter, self.target_cache, self.choice, self.plan.verify_width, self.verify_timer, self.compile_config
         )
+
+    def _take_static_caches(self) -> None:
+        """Static caches for `compile=True`: the target's holds the longest row and the widest verify after it, the
+        drafter's also a padded pending context and a block (a drafter on flash attention, which takes no 4-D masks,
+        keeps its dynamic cache and runs eagerly)."""
+        needed = self.sequences.max_length + self.plan.verify_width
+        self.target_cache = STATIC_CACHES.take(self.adapter.target, self.adapter.num_layers, self.batch, needed)
+        if "flash" not in (self.drafter.config._attn_implementation or ""):
+            layers = int(self.drafter.config.num_hidden_layers)
+            needed += self.plan.verify_width + self.max_block
+            self.draft_cache = STATIC_CACHES.take(self.drafter, layers, self.batch, needed)
 
     def run(self) -> DFlashGenerateOutput:
         """Prefill, then propose / re-align / verify / commit cycles until every row has stopped."""
         try:
             # compiled forwards keep Transformers' own attention: the engine's CPU kernels are chosen per call
             target_kernels = contextlib.nullcontext() if self.compile_config else grouped_attention(self.adapter.target)
-            with target_kernels, grouped_attention(self.drafter):
+            draft_kernels = contextlib.nullcontext() if self.compile_config else grouped_attention(self.drafter)
+            with target_kernels, draft_kernels:
                 state = self._prefill()
                 self.sequences.stream()
                 while state.rows:
@@ -156,8 +175,9 @@ class GenerationCall:
                     self._drop_finished(state)
                     self.sequences.stream()
         finally:
-            if is_static(self.target_cache):
-                STATIC_CACHES.give_back(self.adapter.target, self.batch, self.target_cache)
+            for model, cache in ((self.adapter.target, self.target_cache), (self.drafter, self.draft_cache)):
+                if is_static(cache):
+                    STATIC_CACHES.give_back(model, self.batch, cache)
         self.sequences.end_stream()
         return self._output()
 
@@ -252,6 +272,9 @@ class GenerationCall:
         """Remove the finished rows from the active rows and from both caches."""
         keep = [i for i, row in enumerate(state.rows) if not self.sequences.finished[row]]
         if len(keep) == len(state.rows):
+            return
+        if not keep:  # the call is over: the caches keep their rows (a static one serves the next call)
+            state.select(keep)
             return
         index = state.select(keep)
         for cache in (self.target_cache, self.draft_cache):

@@ -14,9 +14,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +25,7 @@ from transformers.cache_utils import Cache
 from transformers.generation.configuration_utils import CompileConfig
 
 from ..modeling import DFlashDraftModel
+from ..runtime import compiled_call
 from ..transformers_compat import cache_keyword
 from . import row_exact
 from .grouped_attention import grouped_attention, uses_grouped_attention
@@ -119,24 +119,6 @@ def engine_kernels(target: PreTrainedModel) -> Iterator[None]:
     finally:
         if prepack:
             target.set_output_embeddings(head)
-
-
-# graphs a compiled decoder call may hold: every verify width, batch size and mask kind compiles once, and Transformers'
-# decoders share the wrapper functions dynamo counts them on (its default limit, 8, would send later shapes to eager)
-COMPILED_SHAPES = 64
-# the compiled calls of target decoders, one per decoder: its last `CompileConfig` and the call compiled with it
-_COMPILED: "weakref.WeakKeyDictionary[nn.Module, tuple[CompileConfig, Callable]]" = weakref.WeakKeyDictionary()
-
-
-def compiled_call(module: nn.Module, compile_config: CompileConfig) -> Callable:
-    """`module.__call__` compiled with `compile_config`, compiled once and kept while the config stays the same (what
-    Transformers' `get_compiled_call` does for a model that generates, for a decoder that does not)."""
-    with _PREPACKED_LOCK:
-        held = _COMPILED.get(module)
-        if held is None or held[0] != compile_config:
-            held = (compile_config, torch.compile(module.__call__, **compile_config.to_dict()))
-            _COMPILED[module] = held
-    return held[1]
 
 
 @dataclass
@@ -263,24 +245,18 @@ class TargetAdapter:
 
         Only the tapped layers' outputs are kept (selective `output_hidden_states`); nothing is registered on the
         target's modules, so concurrent calls on a shared target are independent. With `compile_config` the decoder
-        runs compiled ([`compiled_call`]; give it a static cache), and the states come back as copies,
-        which a later replay of its CUDA graphs does not overwrite.
+        runs compiled (`runtime.compiled_call`; give it a static cache), and the states come back as copies, which
+        a later replay of its CUDA graphs does not overwrite.
         """
         call = self.base_model if compile_config is None else compiled_call(self.base_model, compile_config)
-        shapes = (
-            contextlib.nullcontext()
-            if compile_config is None
-            else torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES)
+        outputs = call(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            output_hidden_states=self._hidden_state_indices,
+            **{self._cache_kwarg: cache},
         )
-        with shapes:
-            outputs = call(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=True,
-                output_hidden_states=self._hidden_state_indices,
-                **{self._cache_kwarg: cache},
-            )
         hidden_states = outputs.hidden_states
         tapped = torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
         last = outputs.last_hidden_state if compile_config is None else outputs.last_hidden_state.clone()

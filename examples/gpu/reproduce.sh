@@ -6,6 +6,8 @@
 # 1. oracle: the engine's ceiling at a real size: a random-weight Qwen3-8B-shaped target built on the GPU (nothing to
 #    download), plain greedy against oracle rows (drafts replaying plain greedy's own output, each slot kept with
 #    probability P) at B=16, with the cost model's prediction beside each measured speedup;
+# 1b. compiled: the same rows with --compile (static caches, compiled forwards, CUDA graphs) against greedy_static,
+#    plain greedy on a static cache that Transformers compiles, with its exactness per row;
 # 2. pair: the bundled SmolLM2-135M pair in bf16 and float32: every engine row against plain greedy, each row's tokens
 #    identical to plain greedy and its first difference;
 # 3. train: the trainer's throughput (anchor-blocks per second, peak memory) against batch size, online features, bf16;
@@ -26,7 +28,7 @@ BATCH_SIZES=${BATCH_SIZES:-"16 32 64 128"}
 ANCHORS=${ANCHORS:-48}
 SECONDS_PER_RUN=${SECONDS_PER_RUN:-90}
 TRAIN_ROWS=${TRAIN_ROWS:-4096}
-PARTS=${PARTS:-"oracle pair train"}
+PARTS=${PARTS:-"oracle compiled pair train"}
 mkdir -p "$OUT"
 
 runs() { [[ " $PARTS " == *" $1 "* ]]; }  # whether part $1 runs
@@ -40,6 +42,14 @@ bench() {  # the shared flags of every bench run here
 if runs oracle; then
     bench --target "$BIG_TARGET" --dtype bfloat16 --block-sizes 16 --oracle "$ORACLE" --no-adaptive \
         --skip dflash,prompt_lookup,native_dflash --out "$OUT/oracle-$(echo "$BIG_TARGET" | tr ':' '-')"
+fi
+
+# 1b. the same ceiling compiled, and the bundled pair compiled in bf16, each against the compiled static-cache baseline
+if runs compiled; then
+    bench --target "$BIG_TARGET" --dtype bfloat16 --block-sizes 16 --oracle "$ORACLE" --no-adaptive --compile \
+        --skip dflash,prompt_lookup,native_dflash --out "$OUT/oracle-$(echo "$BIG_TARGET" | tr ':' '-')-compiled"
+    bench --target smollm2-135m --dtype bfloat16 --block-sizes 4,8 --no-adaptive --no-draft-tree --compile \
+        --skip prompt_lookup,native_dflash --out "$OUT/smollm2-135m-bfloat16-compiled"
 fi
 
 # 2. the bundled SmolLM2 pair, bf16 then float32

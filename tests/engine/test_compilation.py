@@ -42,9 +42,10 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _compile_config() -> tuple[CompileConfig, _Counter]:
+def _compile_config(fullgraph: bool = True) -> tuple[CompileConfig, _Counter]:
+    """A config on a counting backend; `fullgraph=False` for the test oracle, whose lookups run outside the graph."""
     counter = _Counter()
-    return CompileConfig(backend=counter, mode=None, fullgraph=True), counter
+    return CompileConfig(backend=counter, mode=None, fullgraph=fullgraph), counter
 
 
 def _prompt(seed: int, length: int) -> torch.Tensor:
@@ -52,27 +53,32 @@ def _prompt(seed: int, length: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("candidates", ["dflash", "dflash+lookup", "tree"])
-def test_compiled_greedy_is_exact_with_one_graph_per_width(family, candidates):
+def test_compiled_greedy_is_exact_with_one_graph_per_shape(family, candidates):
+    """Exact with a random drafter (twice: the second call compiles nothing new) and an oracle; the target compiles
+    the block's width and (when a lookup branch or tree was verified) the widest tree's, the drafter its block's."""
     target = make_target(family)
     input_ids = _prompt(0, 11)
     reference = greedy_reference(target, input_ids, max_new_tokens=MAX_NEW)
     config, counter = _compile_config()
-    widths = set()
-    for drafter in (make_drafter(target), make_oracle(target, [reference[0].tolist()]), make_drafter(target)):
-        out = dflash_hf.generate(
-            target,
-            drafter,
-            input_ids,
-            max_new_tokens=MAX_NEW,
-            candidates=candidates,
-            compile=config,
-            return_dict_in_generate=True,
-        )
+    drafter = make_drafter(target)
+    widths, frames = set(), []
+    for _ in range(2):
+        out = _generate(target, drafter, input_ids, candidates=candidates, compile=config)
         assert torch.equal(out.sequences, reference)
         widths.update(width for row in out.verify_widths for width in row)
-    # the block, and (with a lookup branch or tree) the widest tree: the calls share their static cache and graphs
-    assert 1 <= counter.frame_count <= (1 if candidates == "dflash" else 2)
+        frames.append(counter.frame_count)
+    assert frames[0] == frames[1] and 2 <= frames[0] <= (2 if candidates == "dflash" else 3)
     assert max(widths) <= 4 + (0 if candidates == "dflash" else 16)
+    oracle_config, _ = _compile_config(fullgraph=False)
+    oracle = make_oracle(target, [reference[0].tolist()])
+    out = _generate(target, oracle, input_ids, candidates=candidates, compile=oracle_config)
+    assert torch.equal(out.sequences, reference) and out.tau > 3
+
+
+def _generate(target, drafter, input_ids, **kwargs):
+    return dflash_hf.generate(
+        target, drafter, input_ids, max_new_tokens=MAX_NEW, return_dict_in_generate=True, **kwargs
+    )
 
 
 def test_compiled_batch_with_padding_finished_rows_and_a_full_cache(monkeypatch):
@@ -99,7 +105,7 @@ def test_compiled_batch_with_padding_finished_rows_and_a_full_cache(monkeypatch)
     ]
     input_ids, attention_mask = left_padded(prompts)
     oracle = make_oracle(target, [r.tolist() for r in references], corrupt=corrupt_slots(3, position_step=2))
-    config, counter = _compile_config()
+    config, counter = _compile_config(fullgraph=False)
     for candidates in ("dflash", "dflash+lookup"):
         out = dflash_hf.generate(
             target,
@@ -120,7 +126,7 @@ def test_compiled_batch_with_padding_finished_rows_and_a_full_cache(monkeypatch)
 
 def test_compiled_adaptive_block_sizes_and_sampling_match_the_uncompiled_engine():
     """Sampling draws the same random numbers on either path, so the same seed gives the same tokens; an adaptive
-    policy compiles one graph per block size it chooses."""
+    policy compiles the verify and the drafter once per block size it chooses."""
     target = make_target("llama")
     drafter = make_drafter(target)
     input_ids = _prompt(3, 9)
@@ -146,7 +152,7 @@ def test_compiled_adaptive_block_sizes_and_sampling_match_the_uncompiled_engine(
             )
         assert torch.equal(outputs[0].sequences, outputs[1].sequences), kwargs
     sizes = {size for row in outputs[1].block_sizes for size in row}
-    assert counter.frame_count <= 1 + len(sizes)
+    assert counter.frame_count <= 2 * len(sizes)  # the target's verify and the drafter's forward per block size
 
 
 @pytest.mark.parametrize("value", ["yes", 1, {"mode": "default"}])
@@ -178,3 +184,33 @@ def test_static_cache_edits_match_dynamic_ones():
         assert filled == dynamic.layers[0].keys.shape[2]
         assert torch.equal(static.layers[0].keys[..., :filled, :], dynamic.layers[0].keys)
         assert torch.equal(static.layers[0].values[..., :filled, :], dynamic.layers[0].values)
+
+
+def test_calls_reuse_their_static_caches_emptied():
+    """A call takes the static caches the last call of its batch size left (the compiled shapes and CUDA graph
+    buffers stay valid), emptied: different prompts stay exact; a model moved to another dtype gets new ones."""
+    target = make_target("llama")
+    drafter = make_drafter(target)
+    config, _ = _compile_config()
+    taken = []
+    take = compilation.STATIC_CACHES.take
+
+    def spy(model, *args):
+        cache = take(model, *args)
+        taken.append((type(model).__name__, id(cache)))
+        return cache
+
+    pool = compilation.STATIC_CACHES
+    try:
+        pool.take = spy
+        for seed in range(3):
+            input_ids = _prompt(20 + seed, 7 + 3 * seed)
+            reference = greedy_reference(target, input_ids, max_new_tokens=MAX_NEW)
+            assert torch.equal(_generate(target, drafter, input_ids, compile=config).sequences, reference)
+        assert len(set(taken)) == 2 and len(taken) == 6  # one cache for the target, one for the drafter
+        target.to(torch.float64)
+        drafter.to(torch.float64)
+        _generate(target, drafter, _prompt(30, 5), compile=config)
+        assert len(set(taken)) == 4
+    finally:
+        del pool.take

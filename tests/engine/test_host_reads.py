@@ -18,6 +18,7 @@ import pytest
 import torch
 from testing_utils import left_padded, make_drafter, make_target
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import CompileConfig
 
 import dflash_hf
 from dflash_hf.engine import generation_call
@@ -84,9 +85,11 @@ class HostReads(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def counted_reads(monkeypatch) -> Iterator[dict[str, Counter]]:
+def counted_reads(monkeypatch, value_dependent_ops: bool = True) -> Iterator[dict[str, Counter]]:
     """Counts the host reads of every `GenerationCall` inside the block: `"prefill"` from the call's set-up to its
-    first tokens, `"cycles"` from there to its output, and the cycles run (`"count"`)."""
+    first tokens, `"cycles"` from there to its output, and the cycles run (`"count"`). The value-dependent ops are
+    counted by a dispatch mode, under which dynamo compiles nothing: `value_dependent_ops=False` counts the reads
+    alone, and compiled forwards run compiled."""
     mode = HostReads()
     tally = {"prefill": Counter(), "cycles": Counter(), "count": Counter()}
 
@@ -124,7 +127,7 @@ def counted_reads(monkeypatch) -> Iterator[dict[str, Counter]]:
     monkeypatch.setattr(call, "_prefill", lambda self: counted("prefill", real_prefill, self))
     monkeypatch.setattr(call, "run", lambda self: counted("cycles", real_run, self))
     monkeypatch.setattr(call, "_cycle", cycle)
-    with mode:
+    with mode if value_dependent_ops else contextlib.nullcontext():
         yield tally
 
 
@@ -196,5 +199,21 @@ def test_a_cycle_with_oracle_drafts_reads_the_device_once(target, monkeypatch, c
             eos_token_id=[99],
             oracle=oracle,
         )
+    cycles = tally["count"]["cycles"]
+    assert cycles >= 4 and sum(tally["cycles"].values()) <= READS_PER_CYCLE * cycles, dict(tally["cycles"])
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("candidates", ["dflash", "dflash+lookup"])
+def test_a_compiled_cycle_reads_the_device_once(target, monkeypatch, candidates, batch):
+    """`compile=True` keeps the bound: the static caches' edits, the padded drafter context and the masks over the
+    whole cache are decided on the host, and the compiled forwards read nothing."""
+    drafter = _drafter(target, markov=False)
+    input_ids, attention_mask = _prompts(batch)
+    config = CompileConfig(backend="eager", mode=None, fullgraph=True)
+    call = dict(attention_mask=attention_mask, max_new_tokens=20, candidates=candidates, eos_token_id=[99])
+    dflash_hf.generate(target, drafter, input_ids, compile=config, **call)  # compiles outside the count
+    with counted_reads(monkeypatch, value_dependent_ops=False) as tally:
+        dflash_hf.generate(target, drafter, input_ids, compile=config, **call)
     cycles = tally["count"]["cycles"]
     assert cycles >= 4 and sum(tally["cycles"].values()) <= READS_PER_CYCLE * cycles, dict(tally["cycles"])
