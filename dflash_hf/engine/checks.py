@@ -176,6 +176,24 @@ def check_options(candidates: str, sampling_proposal: str, lookup_tokens: int | 
         )
 
 
+def check_devices(
+    target: PreTrainedModel, drafter: DFlashDraftModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+) -> None:
+    """Refuse a drafter or a prompt on another device than the target (which would end in a device error deep in a
+    forward), naming each device and the fix."""
+    device = target.device
+    if drafter.device != device:
+        raise ValueError(
+            f"The drafter is on {drafter.device} but the target is on {device}: move it there with "
+            f"`drafter.to({str(device)!r})`."
+        )
+    for name, tensor in (("input_ids", input_ids), ("attention_mask", attention_mask)):
+        if isinstance(tensor, torch.Tensor) and tensor.device != device:
+            raise ValueError(
+                f"`{name}` is on {tensor.device} but the target is on {device}: pass `{name}.to(target.device)`."
+            )
+
+
 def check_target(target) -> None:
     """Refuse a `target` that is no Transformers model with `generate` (a causal LM)."""
     if not isinstance(target, torch.nn.Module) or not callable(getattr(target, "generate", None)):

@@ -29,6 +29,7 @@ from .block_size import BlockSizePolicy
 from .candidates import DEFAULT_CANDIDATES
 from .checks import (
     check_context_length,
+    check_devices,
     check_drafter,
     check_inputs,
     check_logits_processors,
@@ -85,6 +86,7 @@ def custom_generate(
     check_prompt_is_token_ids(model_kwargs)
     check_logits_processors(logits_processor)
     input_ids, attention_mask = check_inputs(model, input_ids, model_kwargs.get("attention_mask"))
+    check_devices(model, drafter, input_ids, attention_mask)
     longest = input_ids.shape[1] if attention_mask is None else int(attention_mask.sum(-1).max())
     check_context_length(model, longest, int(generation_config.max_length) - input_ids.shape[1])
     if streamer is None:
@@ -160,6 +162,7 @@ def generate(
     check_drafter(drafter)
     check_prompt_is_token_ids(kwargs)
     input_ids, attention_mask = check_inputs(target, input_ids, attention_mask)
+    check_devices(target, drafter, input_ids, attention_mask)
     stop_strings_as_criteria(target, kwargs)
     max_new_tokens = kwargs.get("max_new_tokens")
     if max_new_tokens is not None and (

@@ -1,7 +1,8 @@
 """The engine runs exactly what plain `generate` runs, or refuses it with a `ValueError` naming the argument and the fix.
 
 Logits processors (an allow-list, each checked against plain decoding), `prefix_allowed_tokens_fn` in a batch,
-stop strings, the streamer contract, non-finite drafts, `inputs_embeds`, meta-device ids, block-size policy objects.
+stop strings, the streamer contract, non-finite drafts, `inputs_embeds`, meta-device ids, a drafter or prompt on another
+device than the target, block-size policy objects.
 """
 
 from __future__ import annotations
@@ -401,6 +402,26 @@ def test_inputs_embeds_is_refused_with_or_without_input_ids(target, drafter):
 def test_meta_device_ids_are_a_value_error(target, drafter):
     with pytest.raises(ValueError, match=r"^`input_ids` is on the meta device"):
         dflash_hf.generate(target, drafter, torch.ones(1, 4, dtype=torch.long, device="meta"), max_new_tokens=4)
+
+
+def test_a_drafter_on_another_device_than_the_target_is_a_value_error(target):
+    meta_drafter = make_drafter(target).to("meta")
+    ids = torch.tensor([[5, 6, 7]])
+    for call in (
+        lambda: dflash_hf.generate(target, meta_drafter, ids, max_new_tokens=4),
+        lambda: target.generate(ids, max_new_tokens=4, custom_generate=dflash_hf.custom_generate, drafter=meta_drafter),
+    ):
+        with pytest.raises(ValueError, match=r"^The drafter is on meta but the target is on cpu: move it there"):
+            call()
+
+
+def test_a_prompt_on_another_device_than_the_target_is_a_value_error(target, drafter, monkeypatch):
+    """The target and drafter on one accelerator, the prompt left on the CPU: refused before any forward."""
+    elsewhere = torch.device("cuda", 0)
+    monkeypatch.setattr(type(target), "device", property(lambda self: elsewhere))
+    monkeypatch.setattr(type(drafter), "device", property(lambda self: elsewhere))
+    with pytest.raises(ValueError, match=r"^`input_ids` is on cpu but the target is on cuda:0: pass `input_ids.to"):
+        dflash_hf.generate(target, drafter, torch.tensor([[5, 6, 7]]), max_new_tokens=4)
 
 
 def test_an_unsatisfiable_prefix_constraint_names_its_batch_id(target, drafter):
