@@ -1,6 +1,6 @@
 """Builders shared by the tests: tiny random targets of every supported family, drafters built for them, an oracle
 drafter, offline tokenizers, tiny prompt files and training configs, saved target folders, the chi-square check of
-sampling, and the patterns of `generate`'s summary line.
+sampling, the count of host reads, and the patterns of `generate`'s summary line.
 
 Everything is built in-process from configs; nothing is ever downloaded. Fixtures live in `conftest.py`.
 """
@@ -11,11 +11,13 @@ import contextlib
 import itertools
 import json
 import string
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -327,6 +329,84 @@ def fixed_batch(trainer, data, seed=0):
     torch.manual_seed(seed)
     anchors = sample_anchors(batch["loss_mask"], batch["attention_mask"].sum(1), trainer.block_size, 8)
     return batch, anchors
+
+
+# ------------------------------------------------------------------------------------------- host reads
+# On a GPU every read of a tensor's values on the host (`tolist`, `item`, `bool(tensor)`, `int(tensor)`, `.cpu()`, ...)
+# waits for all the work queued before it, and so does every op whose output shape depends on tensor values
+# (`nonzero`, boolean-mask indexing, `multinomial`'s checks). `host_reads` counts both kinds on any device.
+
+READ_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__index__", "__float__")
+aten = torch.ops.aten
+# ops whose result's shape (or validity check) depends on values: on a GPU they wait for the queue like a read
+VALUE_DEPENDENT_OPS = {
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten.repeat_interleave.Tensor,
+    aten.unique_consecutive.default,
+    aten._unique2.default,
+    aten.multinomial.default,
+}
+
+
+def _boolean_index(args) -> bool:
+    indices = args[1] if len(args) > 1 else None
+    return isinstance(indices, (list, tuple)) and any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
+    )
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the host reads made while `active` in `counts`: the value-dependent ops it sees as a dispatch mode, and
+    the tensor methods that read values (through [`host_reads`])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active = False
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.active and (
+            func in VALUE_DEPENDENT_OPS
+            or (func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and _boolean_index(args))
+        ):
+            self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        before, self.active = self.active, True
+        try:
+            yield
+        finally:
+            self.active = before
+
+
+@contextlib.contextmanager
+def host_reads(monkeypatch, value_dependent_ops: bool = True) -> Iterator[HostReads]:
+    """A [`HostReads`] counting inside the block whenever it is `active` (`with reads.counting(): ...`): the tensor
+    methods of `READ_METHODS` (patched on `torch.Tensor`; a read inside a read counts once) and, with
+    `value_dependent_ops`, the value-dependent ops (a dispatch mode, under which dynamo compiles nothing)."""
+    reads = HostReads()
+
+    def reading(name):
+        real = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            if reads.active:
+                reads.counts[name] += 1
+            before, reads.active = reads.active, False
+            try:
+                return real(self, *args, **kwargs)
+            finally:
+                reads.active = before
+
+        return read
+
+    for name in READ_METHODS:
+        monkeypatch.setattr(torch.Tensor, name, reading(name))
+    with reads if value_dependent_ops else contextlib.nullcontext():
+        yield reads
 
 
 # ------------------------------------------------------------------------------------- saved target folders

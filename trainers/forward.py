@@ -11,6 +11,7 @@ import torch
 from dflash_hf.target.adapter import TargetAdapter
 
 from .masks import BlockBatch, block_attention_mask, flex_block_mask
+from .slots import LabelledSlots
 
 
 def draft_forward(
@@ -65,14 +66,13 @@ def teacher_probs(
     adapter: TargetAdapter,
     teacher: torch.Tensor,
     positions: torch.Tensor,
-    selected: torch.Tensor,
+    slots: LabelledSlots,
     draft_token_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The target's own next-token distribution `(n, V)` for each of the `n` labelled slots (`selected`, `(b, A, B)`,
-    at `positions`): its final hidden state (`teacher`, `(b, seq, H)`) one position earlier, through the frozen LM
+    """The target's own next-token distribution `(n, V)` for each of the `n` labelled `slots` (at `positions`,
+    `(b, A, B)`): its final hidden state (`teacher`, `(b, seq, H)`) one position earlier, through the frozen LM
     head, over the draft vocabulary `draft_token_ids` where reduced (renormalised there)."""
-    source = (positions - 1).clamp_min(0)[selected]  # slot at position p is predicted from the target at p - 1
-    rows = selected.nonzero()[:, 0]
-    hidden = teacher[rows, source].to(adapter.lm_head.weight.dtype)
+    source = slots.take((positions - 1).clamp_min(0))  # slot at position p is predicted from the target at p - 1
+    hidden = teacher[slots.rows, source].to(adapter.lm_head.weight.dtype)
     draft_ids = None if draft_token_ids is None else draft_token_ids.to(hidden.device)
     return adapter.logits(hidden, draft_ids).float().softmax(dim=-1)

@@ -24,6 +24,7 @@ from .config import DFlashTrainingConfig
 from .forward import draft_forward, slot_logits, teacher_probs
 from .masks import BlockBatch, build_blocks, sample_anchors
 from .metrics import block_loss, correct_slots
+from .slots import LabelledSlots
 
 
 def _attention_mask(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -87,18 +88,17 @@ class DFlashLossMixin:
         blocks = self._prepare_blocks(inputs, model.training, anchors)
         implementation = attn_implementation or self.attn_implementation
         hidden, markov_bias = draft_forward(model, self.adapter, context, blocks, implementation, self.has_markov_head)
-        selected = blocks.weights > 0
-        weights = blocks.weights[selected]
-        if weights.numel() == 0:  # no sequence had room for a block: keep every parameter in the graph (DDP)
-            return hidden.sum() * 0.0, {"correct": torch.zeros_like(selected), "selected": selected}
-        logits, labels, target_probs = self._slot_targets(hidden[selected], blocks, teacher, selected)
+        slots = LabelledSlots.of(blocks.weights > 0)
+        if len(slots) == 0:  # no sequence had room for a block: keep every parameter in the graph (DDP)
+            return hidden.sum() * 0.0, {"correct": torch.zeros_like(slots.mask), "selected": slots.mask}
+        logits, labels, target_probs = self._slot_targets(slots.take(hidden), blocks, teacher, slots)
         # with a Markov head, the logits the engine drafts from (the metrics' too) are the corrected ones
-        corrected = logits if markov_bias is None else logits + markov_bias[selected].float()
+        corrected = logits if markov_bias is None else logits + slots.take(markov_bias).float()
         loss = block_loss(
             corrected,
             labels,
-            weights,
-            selected,
+            slots.take(blocks.weights),
+            slots,
             loss_weighting=self.loss_weighting,
             target_probs=target_probs,
             distill_weight=self.distill_weight,
@@ -106,7 +106,7 @@ class DFlashLossMixin:
             backbone_logits=None if markov_bias is None else logits,
             markov_loss_weight=self.markov_loss_weight,
         )
-        stats = {"correct": correct_slots(corrected, labels, selected), "selected": selected}
+        stats = {"correct": correct_slots(corrected, labels, slots), "selected": slots.mask}
         return loss, {**stats, "anchors": blocks.anchors, "anchor_valid": blocks.anchor_valid}
 
     def _features(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -141,7 +141,7 @@ class DFlashLossMixin:
         )
 
     def _slot_targets(
-        self, hidden: torch.Tensor, blocks: BlockBatch, teacher: torch.Tensor | None, selected: torch.Tensor
+        self, hidden: torch.Tensor, blocks: BlockBatch, teacher: torch.Tensor | None, slots: LabelledSlots
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """For the labelled slots' hidden states `hidden`: the backbone's logits and their hard labels
         (`forward.slot_logits`), and the teacher's distribution where the loss uses it (`forward.teacher_probs`, else
@@ -149,11 +149,11 @@ class DFlashLossMixin:
         if self.draft_token_ids is not None:  # the draft vocabulary's maps follow the batch's device
             self.draft_token_ids = self.draft_token_ids.to(hidden.device)
             self.target_to_draft = self.target_to_draft.to(blocks.labels.device)
-        labels = blocks.labels[selected]
+        labels = slots.take(blocks.labels)
         logits, labels = slot_logits(self.adapter, hidden, labels, self.draft_token_ids, self.target_to_draft)
         if not self._uses_teacher:
             return logits, labels, None
-        target_probs = teacher_probs(self.adapter, teacher, blocks.block_positions, selected, self.draft_token_ids)
+        target_probs = teacher_probs(self.adapter, teacher, blocks.block_positions, slots, self.draft_token_ids)
         if self.hard_labels == "target":
             labels = target_probs.argmax(dim=-1)
         return logits, labels, target_probs

@@ -22,6 +22,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .slots import LabelledSlots
+
 LOSS_WEIGHTINGS = ("exp_decay", "dpace")
 
 # Paper values of the loss decay gamma by block size.
@@ -87,22 +89,20 @@ def dpace_slot_weights(label_probs: torch.Tensor, valid: torch.Tensor) -> torch.
         return torch.where(valid, weights, torch.zeros((), device=weights.device))
 
 
-def dpace_label_weights(logits: torch.Tensor, labels: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
-    """D-PACE weights of the selected slots, from the drafter's probabilities of their labels (0 for a label it
+def dpace_label_weights(logits: torch.Tensor, labels: torch.Tensor, slots: LabelledSlots) -> torch.Tensor:
+    """D-PACE weights of the labelled slots, from the drafter's probabilities of their labels (0 for a label it
     cannot draft, `-100`).
 
     Args:
-        logits: `(n, vocab)` of the `n` selected slots. labels: `(n,)`. selected: `(..., block)` bool, `n` True.
+        logits: `(n, vocab)` of the `n` labelled `slots`. labels: `(n,)`.
 
     Returns:
-        `(n,)` weights, in the order of the selected slots.
+        `(n,)` weights, in the order of the slots.
     """
     with torch.no_grad():
         probs = logits.float().softmax(dim=-1).gather(-1, labels.clamp_min(0)[:, None])[:, 0]
         probs = torch.where(labels >= 0, probs, torch.zeros_like(probs))
-        per_slot = torch.zeros(selected.shape, dtype=probs.dtype, device=probs.device)
-        per_slot[selected] = probs
-        return dpace_slot_weights(per_slot, selected)[selected]
+        return slots.take(dpace_slot_weights(slots.spread(probs), slots.mask))
 
 
 def total_variation(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
@@ -137,7 +137,7 @@ def block_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,
     weights: torch.Tensor,
-    selected: torch.Tensor,
+    slots: LabelledSlots,
     *,
     loss_weighting: str = "exp_decay",
     target_probs: torch.Tensor | None = None,
@@ -150,9 +150,9 @@ def block_loss(
     the weights.
 
     Args:
-        logits: `(n, vocab)` of the `n` selected slots (with a Markov head: corrected by it). labels: `(n,)`.
+        logits: `(n, vocab)` of the `n` labelled `slots` (with a Markov head: corrected by it). labels: `(n,)`.
         weights: `(n,)` slot weights, used with `loss_weighting="exp_decay"`; `"dpace"` takes [`dpace_label_weights`]
-            of `logits` instead. selected: `(..., block)` bool, `n` True (the slots' places, for D-PACE).
+            of `logits` instead (which need the slots' places).
         target_probs, distill_weight, tv_weight: the distillation / total-variation mix of [`slot_losses`].
         backbone_logits: `(n, vocab)`, with a Markov head: the logits before its correction; each slot's loss is then
             `w * loss(logits) + (1 - w) * loss(backbone_logits)` with `w = markov_loss_weight`.
@@ -162,19 +162,17 @@ def block_loss(
         backbone = slot_losses(backbone_logits, labels, target_probs, distill_weight, tv_weight)
         losses = markov_loss_weight * losses + (1.0 - markov_loss_weight) * backbone
     if loss_weighting == "dpace":
-        weights = dpace_label_weights(logits, labels, selected)
+        weights = dpace_label_weights(logits, labels, slots)
     return (losses * weights).sum() / weights.sum()
 
 
 # ------------------------------------------------------------------------------------------- accuracy, acceptance
 
 
-def correct_slots(logits: torch.Tensor, labels: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
-    """Bool like `selected` `(..., block)`: the selected slots whose argmax of `logits` `(n, vocab)` is their label
+def correct_slots(logits: torch.Tensor, labels: torch.Tensor, slots: LabelledSlots) -> torch.Tensor:
+    """Bool like `slots.mask` `(..., block)`: the labelled slots whose argmax of `logits` `(n, vocab)` is their label
     `(n,)`; False elsewhere."""
-    correct = torch.zeros_like(selected)
-    correct[selected] = logits.argmax(dim=-1) == labels
-    return correct
+    return slots.spread(logits.argmax(dim=-1) == labels, False)
 
 
 def slot_accuracy_sums(correct: torch.Tensor, selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,7 +252,7 @@ def batch_metric_sums(stats: dict[str, torch.Tensor], replay_decoding: bool) -> 
     if "anchor_valid" in stats:
         prefix = accepted_drafts(correct)
         valid = stats["anchor_valid"]
-        sums["prefix_sum"] = prefix[valid].sum().to(torch.float64)
+        sums["prefix_sum"] = (prefix * valid).sum().to(torch.float64)
         sums["blocks"] = valid.sum().to(torch.float64)
         if replay_decoding:
             sums["walk_tokens"], sums["walk_cycles"] = decoding_walk(prefix, stats["anchors"], valid)

@@ -1,11 +1,8 @@
 """The engine's device-to-host reads: one per cycle, whatever the batch, decoding or drafter (a draft tree's search
 reads the drafter's top tokens on top of it).
 
-On a GPU every read of a tensor's values on the host (`tolist`, `item`, `bool(tensor)`, `int(tensor)`, `.cpu()`, ...)
-waits for all the work queued before it, and so does every op whose output shape depends on tensor values (`nonzero`,
-boolean-mask indexing, `multinomial`'s checks). The tests count both kinds on CPU while a generation call sets up and
-prefills, then while it runs its cycles (Transformers' `generate` set-up and the call's checks before it are not the
-engine's).
+The tests count both kinds of read (`testing_utils.host_reads`) on CPU while a generation call sets up and prefills,
+then while it runs its cycles (Transformers' `generate` set-up and the call's checks before it are not the engine's).
 """
 
 from __future__ import annotations
@@ -16,8 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from testing_utils import left_padded, make_drafter, make_target
-from torch.utils._python_dispatch import TorchDispatchMode
+from testing_utils import host_reads, left_padded, make_drafter, make_target
 from transformers import CompileConfig
 
 import dflash_hf
@@ -39,95 +35,32 @@ MARKOV_TREE_READS_PER_CYCLE = 3
 BLOCK = 4
 
 
-READ_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__index__", "__float__")
-aten = torch.ops.aten
-# ops whose result's shape (or validity check) depends on values: on a GPU they wait for the queue like a read
-VALUE_DEPENDENT_OPS = {
-    aten.nonzero.default,
-    aten.masked_select.default,
-    aten.repeat_interleave.Tensor,
-    aten.unique_consecutive.default,
-    aten._unique2.default,
-    aten.multinomial.default,
-}
-
-
-def _boolean_index(args) -> bool:
-    indices = args[1] if len(args) > 1 else None
-    return isinstance(indices, (list, tuple)) and any(
-        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
-    )
-
-
-class HostReads(TorchDispatchMode):
-    """Counts the host reads made while `active`: the tensor methods that read values, and the value-dependent ops."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.active = False
-        self.reads: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.active and (
-            func in VALUE_DEPENDENT_OPS
-            or (func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and _boolean_index(args))
-        ):
-            self.reads[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-    @contextlib.contextmanager
-    def counting(self) -> Iterator[None]:
-        before, self.active = self.active, True
-        try:
-            yield
-        finally:
-            self.active = before
-
-
 @contextlib.contextmanager
 def counted_reads(monkeypatch, value_dependent_ops: bool = True) -> Iterator[dict[str, Counter]]:
     """Counts the host reads of every `GenerationCall` inside the block: `"prefill"` from the call's set-up to its
     first tokens, `"cycles"` from there to its output, and the cycles run (`"count"`). The value-dependent ops are
     counted by a dispatch mode, under which dynamo compiles nothing: `value_dependent_ops=False` counts the reads
     alone, and compiled forwards run compiled."""
-    mode = HostReads()
     tally = {"prefill": Counter(), "cycles": Counter(), "count": Counter()}
-
-    def reading(name):
-        real = getattr(torch.Tensor, name)
-
-        def read(self, *args, **kwargs):
-            if mode.active:
-                mode.reads[name] += 1
-            before, mode.active = mode.active, False  # what a read does inside is one read
-            try:
-                return real(self, *args, **kwargs)
-            finally:
-                mode.active = before
-
-        return read
-
-    for name in READ_METHODS:
-        monkeypatch.setattr(torch.Tensor, name, reading(name))
     call = generation_call.GenerationCall
     real_init, real_run, real_prefill, real_cycle = call.__init__, call.run, call._prefill, call._cycle
+    with host_reads(monkeypatch, value_dependent_ops) as reads:
 
-    def counted(bucket, function, *args, **kwargs):
-        with mode.counting():
-            out = function(*args, **kwargs)
-        tally[bucket].update(mode.reads)
-        mode.reads.clear()
-        return out
+        def counted(bucket, function, *args, **kwargs):
+            with reads.counting():
+                out = function(*args, **kwargs)
+            tally[bucket].update(reads.counts)
+            reads.counts.clear()
+            return out
 
-    def cycle(self, state):
-        tally["count"]["cycles"] += 1
-        return real_cycle(self, state)
+        def cycle(self, state):
+            tally["count"]["cycles"] += 1
+            return real_cycle(self, state)
 
-    monkeypatch.setattr(call, "__init__", lambda self, *a, **k: counted("prefill", real_init, self, *a, **k))
-    monkeypatch.setattr(call, "_prefill", lambda self: counted("prefill", real_prefill, self))
-    monkeypatch.setattr(call, "run", lambda self: counted("cycles", real_run, self))
-    monkeypatch.setattr(call, "_cycle", cycle)
-    with mode if value_dependent_ops else contextlib.nullcontext():
+        monkeypatch.setattr(call, "__init__", lambda self, *a, **k: counted("prefill", real_init, self, *a, **k))
+        monkeypatch.setattr(call, "_prefill", lambda self: counted("prefill", real_prefill, self))
+        monkeypatch.setattr(call, "run", lambda self: counted("cycles", real_run, self))
+        monkeypatch.setattr(call, "_cycle", cycle)
         yield tally
 
 

@@ -13,7 +13,7 @@ from dflash_hf.trainers import (
 )
 from dflash_hf.trainers.masks import build_blocks
 from safetensors.torch import load_file
-from testing_utils import fixed_batch, make_tiny_target, tiny_train_config
+from testing_utils import fixed_batch, host_reads, make_tiny_target, tiny_train_config
 
 from dflash_hf.data.features import OfflineFeatureDataset, cache_features, read_index
 
@@ -275,3 +275,35 @@ def test_reduced_draft_vocabulary_from_response_tokens(tiny_data, tmp_path, capl
     )
     outside = ~torch.isin(blocks.labels, trainer.draft_token_ids)
     assert not stats["correct"][stats["selected"] & outside].any()
+
+
+# a training step's loss reads the device twice: the most anchors any row has room for (its blocks' count) and the
+# places of the labelled slots (every gather and scatter of the loss, its D-PACE weights, the teacher's distribution and
+# the accuracy statistics index by them); Transformers reads a right-padded batch's mask twice more in the target's
+# online forward (to choose its attention kernel)
+STEP_READS, PADDED_TARGET_FORWARD_READS = 2, 2
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(),
+        dict(loss_weighting="dpace"),
+        dict(distill_weight=0.3, tv_weight=0.2),
+        dict(hard_labels="target", draft_vocab_size=12),
+        dict(markov_rank=4, markov_loss_weight=0.5),
+    ],
+    ids=["exp-decay", "dpace", "distill-tv", "target-labels-draft-vocab", "markov-head"],
+)
+def test_a_training_step_reads_the_device_twice(tiny_data, tmp_path, monkeypatch, settings):
+    """Counted on the loss and its backward of one right-padded batch with online features."""
+    target, tok, data = tiny_data
+    trainer = DFlashTrainer(args=config(tmp_path, **settings), target=target, train_dataset=data, processing_class=tok)
+    batch = DFlashDataCollator(pad_token_id=0)([data[i] for i in range(len(data))])
+    assert not batch["attention_mask"].all()
+    trainer.model.train()
+    with host_reads(monkeypatch) as reads, reads.counting():
+        loss = trainer.compute_loss(trainer.model, batch)
+        loss.backward()
+    assert sum(reads.counts.values()) == STEP_READS + PADDED_TARGET_FORWARD_READS, reads.counts
+    assert all(p.grad is not None for p in trainer.model.parameters() if p.requires_grad)
