@@ -52,6 +52,7 @@ from .drafter import freeze_backbone, resolve_drafter
 from .loss import DFlashLossMixin
 from .metrics import batch_metric_sums, metrics_from_sums, zero_metric_sums
 from .optimizers import MuonWithAdamW, build_optimizer
+from .throughput import ThroughputCallback
 from .time_limit import TimeLimitCallback
 
 logger = logging.get_logger(__name__)
@@ -93,6 +94,7 @@ class DFlashTrainer(DFlashLossMixin, PickleFreeCheckpoints):
             training response tokens inside its draft vocabulary (also logged, and written to the model card).
         time_limit (`TimeLimitCallback` or `None`): With `max_train_seconds`, the callback that ends the run in time
             (`time_limit.stopped_early` tells whether it did).
+        throughput (`ThroughputCallback`): Times the steps after a run's first ([`warm_throughput`]).
     """
 
     _tag_names = ["dflash", "dflash-hf", "speculative-decoding"]
@@ -156,6 +158,8 @@ class DFlashTrainer(DFlashLossMixin, PickleFreeCheckpoints):
         self._mode = "train"  # whose sums the statistics go to: "eval" while `_evaluating`
         self._metric_sums = {mode: zero_metric_sums(self.block_size, self.args.device) for mode in ("train", "eval")}
         self._trained_blocks = torch.zeros((), dtype=torch.float64, device=self.args.device)
+        self.throughput = ThroughputCallback(lambda: self._trained_blocks)
+        self.add_callback(self.throughput)
 
     # ---------------------------------------------------------------- preparation (before `Trainer.__init__`)
     def _prepare_model(
@@ -244,6 +248,15 @@ class DFlashTrainer(DFlashLossMixin, PickleFreeCheckpoints):
         """Blocks (valid anchors) this trainer's training steps have trained on, over every process: the unit of the
         training throughput (`anchor_blocks_per_second` in `dflash-hf train`'s summary). Read from the device once."""
         return int(self.accelerator.reduce(self._trained_blocks.clone(), reduction="sum"))
+
+    def warm_throughput(self) -> dict[str, float | None]:
+        """The rate of the last run's steps after its first (`ThroughputCallback`), over every process:
+        `anchor_blocks_per_second_warm` and `samples_per_second_warm` (`None` for a run of one step)."""
+        args = self.args
+        return self.throughput.warm_rates(
+            lambda blocks: self.accelerator.reduce(blocks, reduction="sum"),
+            args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
+        )
 
     def _metrics(self, mode: str) -> dict[str, float]:
         """The metrics of `mode` since its last log, summed over every process; its sums start again from zero."""

@@ -206,7 +206,8 @@ def train(script: DFlashScriptArguments, config) -> dict:
 
 def _throughput(trainer, result) -> dict:
     """The run's anchor-blocks trained and their rate over the Trainer's `train_runtime` (the training loop, its
-    evaluations included; loading the target and the export are not), and the device's peak memory (CUDA)."""
+    evaluations included; loading the target and the export are not), the rates of the steps after the first
+    (`DFlashTrainer.warm_throughput`: compilation and warm-up left out), and the device's peak memory (CUDA)."""
     from dflash_hf.runtime import peak_memory_bytes
 
     blocks = trainer.anchor_blocks_trained
@@ -215,6 +216,7 @@ def _throughput(trainer, result) -> dict:
     return {
         "anchor_blocks": blocks,
         "anchor_blocks_per_second": round(blocks / runtime, 1) if runtime > 0 else None,
+        **trainer.warm_throughput(),
         "peak_device_memory_gb": None if peak is None else round(peak / 2**30, 2),
     }
 

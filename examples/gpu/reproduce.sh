@@ -10,12 +10,15 @@
 #    plain greedy on a static cache that Transformers compiles, with its exactness per row;
 # 2. pair: the bundled SmolLM2-135M pair in bf16 and float32: every engine row against plain greedy, each row's tokens
 #    identical to plain greedy and its first difference;
-# 3. train: the trainer's throughput (anchor-blocks per second, peak memory) against batch size, online features, bf16;
-# then docs/results.md's tables of those runs (OUT/results.md).
+# 3. train: the trainer's throughput (anchor-blocks and samples per second once warm, peak memory, GPU-hours per 100k
+#    samples) against batch size, online features, bf16: the bundled SmolLM2 drafter on its committed rows;
+# 3b. train-paper: the same for the DFlash paper's shape (a 5-layer, B=16 drafter, examples/recipes/qwen3-8b.yaml) on
+#    the random-weight Qwen3-8B-shaped target, over ShareGPT's own replies (no generation; random weights: speed only);
+# then docs/results.md's tables of the bench runs (OUT/results.md) and the trainer's (OUT/train-throughput.md).
 #
 # Every setting below can be changed from the environment (e.g. BATCH_SIZES="32 64", SECONDS_PER_RUN=120, PARTS=train
 # to run part 3 alone); a smoke run on a CPU: DEVICE=cpu BIG_TARGET=random:tiny-qwen3 PROMPTS=2 TOKENS=8
-# BATCH_SIZES=2 SECONDS_PER_RUN=5 TRAIN_ROWS=16.
+# BATCH_SIZES=2 BIG_BATCH_SIZES=1 SECONDS_PER_RUN=5 TRAIN_ROWS=16.
 set -euo pipefail
 
 OUT=${1:-gpu-results}
@@ -25,10 +28,11 @@ PROMPTS=${PROMPTS:-6}
 TOKENS=${TOKENS:-128}
 ORACLE=${ORACLE:-1.0,0.8,0.6}
 BATCH_SIZES=${BATCH_SIZES:-"16 32 64 128"}
+BIG_BATCH_SIZES=${BIG_BATCH_SIZES:-"1 2 4 8"}
 ANCHORS=${ANCHORS:-48}
 SECONDS_PER_RUN=${SECONDS_PER_RUN:-90}
 TRAIN_ROWS=${TRAIN_ROWS:-4096}
-PARTS=${PARTS:-"oracle compiled pair train"}
+PARTS=${PARTS:-"oracle compiled pair train train-paper"}
 mkdir -p "$OUT"
 
 runs() { [[ " $PARTS " == *" $1 "* ]]; }  # whether part $1 runs
@@ -70,25 +74,54 @@ if runs train; then
             --per_device_train_batch_size "$batch" --num_anchors "$ANCHORS" --skip_train_samples 0 \
             --max_train_samples "$TRAIN_ROWS" --max_steps 100000 --max_train_seconds "$SECONDS_PER_RUN" \
             --eval_strategy no --load_best_model_at_end false --save_strategy no --logging_steps 10 \
-            --output_dir "$OUT/train-b$batch" --export_dir "$OUT/train-b$batch/final"
+            --output_dir "$OUT/train-smollm2-b$batch" --export_dir "$OUT/train-smollm2-b$batch/final"
     done
-    python3 - "$OUT" $BATCH_SIZES <<'TABLE'
+fi
+
+# 3b. the paper's shape: its recipe with online features, one optimizer step per batch (random weights: nothing to
+#    publish; the card's base model names the shape)
+big=$(echo "$BIG_TARGET" | tr ':' '-')
+if runs train-paper; then
+    dflash-hf make-data --target "$BIG_TARGET" --prompts sharegpt --responses source --out "$OUT/data-$big" \
+        --max-samples "$TRAIN_ROWS" --max-new-tokens 2048 --max-prompt-tokens 1024 --device "$DEVICE" --quiet
+    for batch in $BIG_BATCH_SIZES; do
+        dflash-hf train --config examples/recipes/qwen3-8b.yaml --target "$BIG_TARGET" --base_model Qwen/Qwen3-8B \
+            --data "$OUT/data-$big" --features online --bf16 true \
+            --use_cpu "$([ "$DEVICE" = cpu ] && echo true || echo false)" \
+            --per_device_train_batch_size "$batch" --gradient_accumulation_steps 1 --max_steps 100000 \
+            --max_train_seconds "$SECONDS_PER_RUN" --save_strategy no --logging_steps 10 \
+            --output_dir "$OUT/train-$big-b$batch" --export_dir "$OUT/train-$big-b$batch/final"
+    done
+fi
+
+# the trainer's table, of the parts that ran
+if runs train || runs train-paper; then
+    python3 - "$OUT" "$(runs train && echo "smollm2:$BATCH_SIZES")" "$(runs train-paper && echo "$big:$BIG_BATCH_SIZES")" <<'TABLE'
 import json
 import sys
 from pathlib import Path
 
-out, batches = Path(sys.argv[1]), sys.argv[2:]
-lines = ["| batch | steps | anchor-blocks/s | peak memory (GB) |", "|---:|---:|---:|---:|"]
-for batch in batches:
-    summary = json.loads((out / f"train-b{batch}" / "train_summary.json").read_text())
-    lines.append(
-        f"| {batch} | {summary['global_step']} | {summary['anchor_blocks_per_second']} "
-        f"| {summary['peak_device_memory_gb']} |"
-    )
+out = Path(sys.argv[1])
+lines = [
+    "| drafter of | batch | steps | anchor-blocks/s (warm) | samples/s (warm) | GPU-hours per 100k samples | peak memory (GB) |",
+    "|---|---:|---:|---:|---:|---:|---:|",
+]
+for runs in filter(None, sys.argv[2:]):
+    name, batches = runs.split(":", 1)
+    for batch in batches.split():
+        summary = json.loads((out / f"train-{name}-b{batch}" / "train_summary.json").read_text())
+        rate = summary["samples_per_second_warm"]
+        hours = f"{100_000 / rate / 3600 * summary['world_size']:.1f}" if rate else "-"
+        lines.append(
+            f"| {name} | {batch} | {summary['global_step']} | {summary['anchor_blocks_per_second_warm']} | {rate} "
+            f"| {hours} | {summary['peak_device_memory_gb']} |"
+        )
 (out / "train-throughput.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 TABLE
 fi
 
-# the results page of these runs
-dflash-hf results-doc "$OUT" --out "$OUT/results.md"
+# the results page of the bench runs
+if runs oracle || runs compiled || runs pair; then
+    dflash-hf results-doc "$OUT" --out "$OUT/results.md"
+fi

@@ -1,5 +1,6 @@
-"""Runs on a lent machine: `max_train_seconds` ends the loop in time with a checkpoint to resume from, and
-`max_shard_size` writes checkpoints and the final export as shards no larger than asked."""
+"""Runs on a lent machine: `max_train_seconds` ends the loop in time with a checkpoint to resume from,
+`max_shard_size` writes checkpoints and the final export as shards no larger than asked, and the rate of the steps
+after the first is what a short run reports."""
 
 from __future__ import annotations
 
@@ -100,12 +101,22 @@ def test_a_timed_run_stops_saves_shards_and_resumes(tiny_data, tmp_path):
     trainer = DFlashTrainer(args=args, target=target, train_dataset=data, processing_class=tok)
     ticks = itertools.count()  # training begins at 0, step k ends at k seconds: the fifth would end past 4.5 s
     trainer.time_limit.clock = lambda: float(next(ticks))
+    warm_ticks = iter([10.0, 13.0])  # the first step ends at 10 s, the run at 13 s
+    trainer.throughput.clock = lambda device: next(warm_ticks)
     trainer.train()
     assert trainer.state.global_step == 4 and trainer.time_limit.stopped_early
     # 4 steps of 3 rows = two epochs of the 6 rows, each row with its valid anchors, 8 at most
     batch = DFlashDataCollator(pad_token_id=0)([data[i] for i in range(len(data))])
     valid = valid_anchor_positions(batch["loss_mask"], batch["attention_mask"].sum(1), 4).sum(1)
-    assert len(data) == 6 and trainer.anchor_blocks_trained == 2 * int(valid.clamp_max(8).sum())
+    total = trainer.anchor_blocks_trained
+    assert len(data) == 6 and total == 2 * int(valid.clamp_max(8).sum())
+    # the warm rate: the 3 steps after the first, their 9 rows and the blocks they trained, over 3 s
+    after_first = total - int(trainer.throughput.start[2])
+    assert 0 < after_first < total
+    assert trainer.warm_throughput() == {
+        "anchor_blocks_per_second_warm": round(after_first / 3, 1),
+        "samples_per_second_warm": 3.0,
+    }
     checkpoint = tmp_path / "run" / "checkpoint-4"
     assert_sharded(checkpoint)
     loaded = DFlashDraftModel.from_pretrained(checkpoint)
@@ -158,6 +169,8 @@ def test_train_command_stops_at_the_limit_and_exports_shards(tiny_data, tmp_path
     summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
     assert summary["global_step"] == 1 and summary["stopped_at_time_limit"] is True
     assert summary["anchor_blocks"] > 0 and summary["anchor_blocks_per_second"] > 0
+    # no step after the first: no warm rate
+    assert summary["anchor_blocks_per_second_warm"] is None and summary["samples_per_second_warm"] is None
     assert summary["peak_device_memory_gb"] is None  # measured on CUDA devices only
     assert_sharded(tmp_path / "run" / "final")
     assert not list((tmp_path / "run").glob("checkpoint-*"))  # save_strategy "no": nothing else written
