@@ -3,7 +3,10 @@
 Their configs are the public models' shapes (sizes, heads, vocabulary, RoPE, sliding windows), so a forward costs what
 the real model's costs, with nothing to download or carry: an 8B target is built on a GPU in about a second. The
 weights are random (seeded), so these targets measure speed, never quality: a drafter's acceptance on them means
-nothing, which is what `dflash-hf bench --oracle` is for.
+nothing, which is what `dflash-hf bench --oracle` is for. They are drawn by the device's own generator in the dtype
+asked: `random:qwen3-8b` built on a GPU in bf16 is another model than on a CPU or in float32, so data made with one
+and a drafter trained or exported with another belong to different targets (for throughput, which is all they
+measure, that does not matter).
 
 A random target has no tokenizer of its own. [`HashedTokenizer`] stands in: it splits text into GPT-2-style pieces
 (words with their leading space, numbers of up to three digits, runs of punctuation or spaces), about as many as a BPE

@@ -196,13 +196,17 @@ def run(args: argparse.Namespace) -> int:
     block_size, candidates, why = _engine_settings(args, trained)
     max_block = block_size if isinstance(block_size, int) else trained
     greedy = not sampling.get("do_sample", False)
-    widest = CandidatePlan(candidates, max_block, args.lookup_tokens, tree_verify=greedy).verify_width
-    target, tokenizer, drafter, precision = load_models(args.target, drafter_dir, device, args.dtype, max_block, widest)
+    plan = CandidatePlan(candidates, max_block, args.lookup_tokens, tree_verify=greedy)
+    target, tokenizer, drafter, precision = load_models(
+        args.target, drafter_dir, device, args.dtype, max_block, plan.verify_width
+    )
     inputs = _encode(tokenizer, args.prompt, use_template=not args.no_chat_template)
     inputs = {key: value.to(device) for key, value in inputs.items()}
     check_context_length(target, inputs["input_ids"].shape[1], args.max_new_tokens)  # before any forward on the prompt
     print(f"precision: {precision}", file=sys.stderr, flush=True)
-    print(f"engine: block size {block_size or max_block}, candidates {candidates} ({why})", file=sys.stderr, flush=True)
+    if plan.source != candidates:  # what every cycle verifies, where sampling overrides the request
+        why = f"{why}; {candidates} asked, sampling verifies the DFlash block alone"
+    print(f"engine: block size {block_size or max_block}, candidates {plan.source} ({why})", file=sys.stderr, flush=True)
     if device.type == "cpu":
         print(f"kernels: {mkl_mode()} ({mkl_choice.reason()})", file=sys.stderr, flush=True)
     common = dict(max_new_tokens=args.max_new_tokens, **sampling)

@@ -115,10 +115,17 @@ def test_plain_prompt_block_size_and_no_template(folders, capsys):
 def test_sampling_compare(folders, capsys):
     torch.manual_seed(0)
     flags = ["--temperature", "0.8", "--top-k", "10", "--top-p", "0.9", "--compare"]
-    code, out, _ = _generate(capsys, folders, "the cat sat", 8, *flags)
+    code, out, err = _generate(capsys, folders, "the cat sat", 8, *flags)
     assert code == 0
     match = _summary(out, COMPARE)
     assert match.group(2) == "sampling" and match.group(4) == "n/a (sampling)"
+    # the line names what the cycles verify: the block alone, whatever was asked
+    engine = next(line for line in err if line.startswith("engine: "))
+    assert re.fullmatch(
+        r"engine: block size \d+, candidates dflash \(.*; dflash\+lookup asked, sampling verifies the DFlash block "
+        r"alone\)",
+        engine,
+    ), engine
 
 
 def test_compile_runs_the_compiled_engine_and_compares_with_static_greedy(folders, capsys, monkeypatch):
