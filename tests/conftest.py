@@ -55,6 +55,15 @@ def _engine_cycle_clock(monkeypatch):
     monkeypatch.setattr(generation_call, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_dynamo():
+    """Each test module compiles from a clean dynamo: what earlier modules compiled (other tiny targets of the same
+    classes, other thread counts) would otherwise make its compiles recompiles, with float attributes such as an
+    attention's `scaling` turned into graph inputs read on the host, and change what its tests count."""
+    torch._dynamo.reset()
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _restore_mkl_mode():
     """CLI commands choose MKL's code path through `MKL_CBWR` (`mkl_choice.select_mkl_mode`): keep a test's choice
