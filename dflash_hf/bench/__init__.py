@@ -1,8 +1,8 @@
 """Benchmark DFlash against its peers on one target, one drafter and one prompt set, in one process.
 
-`methods` defines what is compared (one row each) and how each method is measured (`target_watch` for
-Transformers' own), `run` decodes, `results` compares and sums up, `report` writes `bench.json` and `bench.md`, `plots`
-the plots. How every number is derived: docs/design.md, "Benchmark".
+`methods` defines what is compared (one row each), `runners` how each method runs a prompt and is measured
+(`target_watch` for Transformers' own), `run` decodes, `results` compares and sums up, `report` writes `bench.json`
+and `bench.md`, `plots` the plots. How every number is derived: docs/design.md, "Benchmark".
 
     >>> from dflash_hf import bench
     >>> from dflash_hf.bench import load_bench_prompts
@@ -16,7 +16,6 @@ the plots. How every number is derived: docs/design.md, "Benchmark".
 from .methods import (
     DEFAULT_BLOCK_SIZES,
     BenchMethod,
-    MethodRun,
     default_methods,
     drafter_methods,
     oracle_methods,
@@ -44,6 +43,7 @@ from .results import (
     PromptResult,
 )
 from .run import exactness_required, hardware_info, run_bench
+from .runners import MethodRun
 
 __all__ = [
     "BENCH_FORMAT",

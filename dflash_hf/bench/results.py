@@ -14,9 +14,10 @@ from typing import Any
 
 from ..engine.acceptance import acceptance_rate_by_slot
 from ..fileio import read_json
-from .methods import BenchMethod, MethodRun
+from .methods import BenchMethod
 from .profile import predicted_speedup
 from .prompts import BenchPrompt
+from .runners import MethodRun
 
 BENCH_FORMAT = "dflash-hf-bench/1"
 

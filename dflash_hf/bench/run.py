@@ -24,10 +24,11 @@ from transformers import PreTrainedModel
 from .. import mkl_choice
 from ..modeling import DFlashDraftModel
 from ..runtime import available_cpus, clock, cpu_model, mkl_mode, native_bf16_feature
-from .methods import BenchMethod, MethodRun, default_methods
+from .methods import BenchMethod, default_methods
 from .profile import measure_costs
 from .prompts import BenchPrompt
 from .results import BenchResult, Mismatch, benchmark_summaries, compare_runs
+from .runners import MethodRun
 
 
 def hardware_info(device: torch.device) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
 
 from .. import mkl_choice
-from ..bench.methods import static_cache_runner
+from ..bench.runners import static_cache_runner
 from ..data.prompts import encode_prompt
 from ..drafters import engine_defaults
 from ..engine.acceptance import DEFAULT_SAMPLING_PROPOSAL, SAMPLING_PROPOSALS
@@ -206,7 +206,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"precision: {precision}", file=sys.stderr, flush=True)
     if plan.source != candidates:  # what every cycle verifies, where sampling overrides the request
         why = f"{why}; {candidates} asked, sampling verifies the DFlash block alone"
-    print(f"engine: block size {block_size or max_block}, candidates {plan.source} ({why})", file=sys.stderr, flush=True)
+    print(
+        f"engine: block size {block_size or max_block}, candidates {plan.source} ({why})", file=sys.stderr, flush=True
+    )
     if device.type == "cpu":
         print(f"kernels: {mkl_mode()} ({mkl_choice.reason()})", file=sys.stderr, flush=True)
     common = dict(max_new_tokens=args.max_new_tokens, **sampling)

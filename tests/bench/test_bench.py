@@ -15,7 +15,7 @@ from transformers import CompileConfig
 from transformers.cache_utils import StaticCache
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, bench, cli, runtime
-from dflash_hf.bench import methods as bench_methods
+from dflash_hf.bench import runners as bench_runners
 from dflash_hf.commands.bench import _command_line
 from dflash_hf.engine.compilation import STATIC_CACHE_MIN_LENGTH, static_cache_length
 from dflash_hf.target import grouped_attention
@@ -772,7 +772,7 @@ def test_recorded_command_names_the_drafter_only_as_given():
 
 
 def test_cli_mismatch_exit_status(folders, tmp_path, capsys, monkeypatch):
-    original = bench.methods._engine_runner
+    original = bench.methods.engine_runner
 
     def tampering_runner(target, drafter, block_size, **kwargs):
         run = original(target, drafter, block_size, **kwargs)
@@ -784,7 +784,7 @@ def test_cli_mismatch_exit_status(folders, tmp_path, capsys, monkeypatch):
 
         return tampered
 
-    monkeypatch.setattr(bench.methods, "_engine_runner", tampering_runner)
+    monkeypatch.setattr(bench.methods, "engine_runner", tampering_runner)
     assert cli.main(_bench_args(folders, tmp_path / "a")) == 1
     err = capsys.readouterr().err
     assert "MISMATCH: dflash_b4 differs from greedy on prompt 0" in err and "--allow-mismatch" in err
@@ -839,7 +839,7 @@ def test_static_cache_baseline_is_exact_reuses_its_cache_and_has_its_column(setu
     assert [m.name for m in methods][:3] == ["greedy", "greedy_engine_kernels", "greedy_static"]
     assert "StaticCache" in methods[2].description
     built = []
-    monkeypatch.setattr(bench_methods, "StaticCache", lambda **kw: built.append(kw) or StaticCache(**kw))
+    monkeypatch.setattr(bench_runners, "StaticCache", lambda **kw: built.append(kw) or StaticCache(**kw))
     result = bench.run_bench(
         target, drafter, prompts, max_new_tokens=MAX_NEW, methods=methods, warmup_tokens=2, progress=False,
         profile_costs=False,
