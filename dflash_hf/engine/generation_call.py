@@ -227,7 +227,7 @@ class GenerationCall:
 
     def _realign(self, state: ActiveRows) -> None:
         """3. Shift right the rows that committed fewer tokens last cycle (both caches now have the same layout);
-        on a static cache, drop the padding all rows share when the widest verify would not fit after it."""
+        on static caches, drop the padding all rows share when it leaves no room ([`_room_is_short`])."""
         length = state.mask.shape[1]
         if any(state.shifts):
             shift = state.pending_shift
@@ -235,12 +235,24 @@ class GenerationCall:
             shift_cache_right(self.draft_cache, shift, length)
             vacated = torch.arange(length, device=self.device)[None, :] < shift[:, None]
             state.mask = shift_right(state.mask, shift, dim=1).masked_fill(vacated, 0)
-        if self.verifier.keys is not None and length + self.plan.verify_width > self.verifier.keys:
+        if self._room_is_short(length):
             common = min(state.padding)
             drop_leading(self.target_cache, common, length)
             drop_leading(self.draft_cache, common, length)
             state.mask = state.mask[:, common:]
             state.padding = [padding - common for padding in state.padding]
+
+    def _room_is_short(self, length: int) -> bool:
+        """On static caches, whether `length` filled positions leave too little room: for this cycle's widest verify in
+        the target's cache, or for the next cycle's draft in the drafter's (a commit adds at most a verify's width,
+        then the drafter writes its padded pending context and a block). Without the shared padding both fit: each
+        cache holds the longest row and that much more."""
+        width = self.plan.verify_width
+        if self.verifier.keys is not None and length + width > self.verifier.keys:
+            return True
+        return is_static(self.draft_cache) and (
+            length + 2 * width + self.max_block > self.draft_cache.layers[0].max_cache_len
+        )
 
     def _commit(self, state: ActiveRows, block: int, verdict: Verdict, readout: Readout) -> None:
         """5. Anchor + accepted candidates enter the caches (a tree verify keeps the accepted path's positions only),

@@ -124,6 +124,32 @@ def test_compiled_batch_with_padding_finished_rows_and_a_full_cache(monkeypatch)
     assert counter.frame_count >= 1
 
 
+def test_a_drafter_cache_no_longer_than_the_targets_drops_the_padding_in_time(monkeypatch):
+    """Caches rounded to the same length (usual: both to the same power of two): the drafter writes a padded pending
+    context and a block before the verify, so the shared padding goes while the next draft still fits, not only when
+    the verify would not."""
+    target = make_target("llama")
+    asked = {}
+    take = compilation.STATIC_CACHES.take
+
+    def same_length(model, num_layers, batch, needed):
+        asked.setdefault(model is target, needed)
+        return take(model, num_layers, batch, asked[True])  # the target asks first: the drafter gets its length
+
+    monkeypatch.setattr(compilation, "static_cache_length", lambda needed: needed)
+    monkeypatch.setattr(compilation.STATIC_CACHES, "take", same_length)
+    prompts = [_prompt(20 + i, n)[0] for i, n in enumerate([4, 15, 9, 12])]
+    references = [greedy_reference(target, p[None], max_new_tokens=40)[0] for p in prompts]
+    input_ids, attention_mask = left_padded(prompts)
+    oracle = make_oracle(target, [r.tolist() for r in references], corrupt=corrupt_slots(3, position_step=2))
+    config, _ = _compile_config(fullgraph=False)
+    out = dflash_hf.generate(
+        target, oracle, input_ids, attention_mask=attention_mask, max_new_tokens=40, compile=config
+    )  # fmt: skip
+    assert_rows_are_greedy(out, input_ids.shape[1], prompts, references)
+    assert asked[True] < asked[False]  # the drafter's cache is shorter than it asked for
+
+
 def test_compiled_adaptive_block_sizes_and_sampling_match_the_uncompiled_engine():
     """Sampling draws the same random numbers on either path, so the same seed gives the same tokens; an adaptive
     policy compiles the verify and the drafter once per block size it chooses."""
