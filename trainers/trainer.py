@@ -94,7 +94,8 @@ class DFlashTrainer(DFlashLossMixin, PickleFreeCheckpoints):
             training response tokens inside its draft vocabulary (also logged, and written to the model card).
         time_limit (`TimeLimitCallback` or `None`): With `max_train_seconds`, the callback that ends the run in time
             (`time_limit.stopped_early` tells whether it did).
-        throughput (`ThroughputCallback`): Times the steps after a run's first ([`warm_throughput`]).
+        throughput (`ThroughputCallback`): Times the steps after a run's first, evaluations and saves left out
+            ([`warm_throughput`]).
     """
 
     _tag_names = ["dflash", "dflash-hf", "speculative-decoding"]
@@ -158,7 +159,8 @@ class DFlashTrainer(DFlashLossMixin, PickleFreeCheckpoints):
         self._mode = "train"  # whose sums the statistics go to: "eval" while `_evaluating`
         self._metric_sums = {mode: zero_metric_sums(self.block_size, self.args.device) for mode in ("train", "eval")}
         self._trained_blocks = torch.zeros((), dtype=torch.float64, device=self.args.device)
-        self.throughput = ThroughputCallback(lambda: self._trained_blocks)
+        self._trained_rows = 0
+        self.throughput = ThroughputCallback(lambda: (self._trained_blocks, self._trained_rows))
         self.add_callback(self.throughput)
 
     # ---------------------------------------------------------------- preparation (before `Trainer.__init__`)
@@ -238,6 +240,8 @@ class DFlashTrainer(DFlashLossMixin, PickleFreeCheckpoints):
         """Add one batch's statistics to the running sums of `mode` (evaluation, which takes every valid anchor, also
         replays decoding)."""
         sums = self._metric_sums[mode]
+        if mode == "train":
+            self._trained_rows += stats["selected"].shape[0]
         for key, value in batch_metric_sums(stats, replay_decoding=mode == "eval").items():
             sums[key] += value
             if key == "blocks" and mode == "train":
@@ -250,13 +254,10 @@ class DFlashTrainer(DFlashLossMixin, PickleFreeCheckpoints):
         return int(self.accelerator.reduce(self._trained_blocks.clone(), reduction="sum"))
 
     def warm_throughput(self) -> dict[str, float | None]:
-        """The rate of the last run's steps after its first (`ThroughputCallback`), over every process:
-        `anchor_blocks_per_second_warm` and `samples_per_second_warm` (`None` for a run of one step)."""
-        args = self.args
-        return self.throughput.warm_rates(
-            lambda blocks: self.accelerator.reduce(blocks, reduction="sum"),
-            args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
-        )
+        """The rate of the last run's steps after its first, evaluations and checkpoint saves left out
+        (`ThroughputCallback`), over every process: `anchor_blocks_per_second_warm` and `samples_per_second_warm`
+        (`None` for a run of one step)."""
+        return self.throughput.warm_rates(lambda total: self.accelerator.reduce(total, reduction="sum"))
 
     def _metrics(self, mode: str) -> dict[str, float]:
         """The metrics of `mode` since its last log, summed over every process; its sums start again from zero."""

@@ -41,11 +41,13 @@ def test_the_oracle_part_writes_its_bench_and_the_results_page(tmp_path: Path):
 
 
 def test_the_paper_shape_trainer_part_writes_its_throughput_table(tmp_path: Path):
-    """Two steps at least (the first is warm-up), so the table holds a warm rate and its GPU-hours."""
-    _run(tmp_path / "out", PARTS="train-paper", BIG_BATCH_SIZES="1", TRAIN_ROWS="8", SECONDS_PER_RUN="8")
+    """Three steps (the first is warm-up), so the table holds a warm rate and its GPU-hours."""
+    _run(tmp_path / "out", PARTS="train-paper", BIG_BATCH_SIZES="1 0", TRAIN_ROWS="8", SECONDS_PER_RUN="600", STEPS="3")
     summary = json.loads((tmp_path / "out" / "train-random-tiny-qwen3-b1" / "train_summary.json").read_text())
-    assert summary["global_step"] >= 2 and summary["samples_per_second_warm"] > 0
+    assert summary["global_step"] == 3 and summary["samples_per_second_warm"] > 0
     table = (tmp_path / "out" / "train-throughput.md").read_text().splitlines()
-    assert len(table) == 3 and table[2].startswith(f"| random-tiny-qwen3 | 1 | {summary['global_step']} | ")
+    assert len(table) == 4 and table[2].startswith("| random-tiny-qwen3 | 1 | 3 | ")
     hours = 100_000 / summary["samples_per_second_warm"] / 3600
     assert f"| {hours:.1f} |" in table[2]
+    # a run that fails (batch 0 here, out of memory on a GPU) is a row that says so; the table is still written
+    assert table[3] == "| random-tiny-qwen3 | 0 | failed (see the log) | - | - | - | - |"

@@ -13,6 +13,7 @@ import torch
 from dflash_hf.modeling import DFlashDraftModel
 from dflash_hf.trainers import DFlashDataCollator, DFlashTrainer
 from dflash_hf.trainers.masks import valid_anchor_positions
+from dflash_hf.trainers.throughput import ThroughputCallback
 from dflash_hf.trainers.time_limit import TimeLimitCallback
 from testing_utils import make_drafter, run_make_data, tiny_train_config, write_prompts
 from transformers import TrainerControl, TrainerState, TrainingArguments
@@ -110,13 +111,13 @@ def test_a_timed_run_stops_saves_shards_and_resumes(tiny_data, tmp_path):
     valid = valid_anchor_positions(batch["loss_mask"], batch["attention_mask"].sum(1), 4).sum(1)
     total = trainer.anchor_blocks_trained
     assert len(data) == 6 and total == 2 * int(valid.clamp_max(8).sum())
-    # the warm rate: the 3 steps after the first, their 9 rows and the blocks they trained, over 3 s
-    after_first = total - int(trainer.throughput.start[2])
-    assert 0 < after_first < total
-    assert trainer.warm_throughput() == {
-        "anchor_blocks_per_second_warm": round(after_first / 3, 1),
-        "samples_per_second_warm": 3.0,
-    }
+    # the warm rate: the 3 steps after the first (the last one stops and saves: the stretch ends with it), their 9
+    # rows and the blocks they trained, all but those of the first step's 3 rows, over 3 s
+    warm = trainer.warm_throughput()
+    assert warm["samples_per_second_warm"] == 3.0
+    per_row = sorted(valid.clamp_max(8).tolist())
+    fewest, most = (total - sum(per_row[3:])) / 3, (total - sum(per_row[:3])) / 3
+    assert fewest - 0.05 <= warm["anchor_blocks_per_second_warm"] <= most + 0.05  # rounded to 0.1
     checkpoint = tmp_path / "run" / "checkpoint-4"
     assert_sharded(checkpoint)
     loaded = DFlashDraftModel.from_pretrained(checkpoint)
@@ -131,6 +132,33 @@ def test_a_timed_run_stops_saves_shards_and_resumes(tiny_data, tmp_path):
     )
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.state.global_step == 6
+    assert resumed.warm_throughput()["samples_per_second_warm"] > 0  # step 5 warms up, step 6 is timed
+
+
+def test_the_warm_rate_leaves_out_the_first_step_evaluations_and_saves():
+    """Steps end at 1, 2, 3 s; a save after step 3 lasts until 10 s; steps 4 and 5 end at 11 and 12 s, the last one
+    stops the run: steps 2-5 are timed, 4 s for 4 steps of 10 blocks and 2 rows each."""
+    trained = {"blocks": torch.zeros((), dtype=torch.float64), "rows": 0}
+    times = iter([1.0, 3.0, 10.0, 12.0])  # when stretches open and close: after step 1, 3, before 4, after 5
+    callback = ThroughputCallback(lambda: (trained["blocks"], trained["rows"]), clock=lambda device: next(times))
+    args = TrainingArguments(output_dir="unused", report_to="none", use_cpu=True)
+    state, control = TrainerState(max_steps=5), TrainerControl()
+    callback.on_train_begin(args, state, control)
+    for step in range(1, 6):
+        callback.on_step_begin(args, state, control)
+        trained["blocks"] += 10
+        trained["rows"] += 2
+        state.global_step = step
+        control.should_save, control.should_training_stop = step == 3, step == 5
+        callback.on_step_end(args, state, control)
+    callback.on_train_end(args, state, control)
+    assert next(times, None) is None
+    assert callback.warm_rates(lambda total: total) == {
+        "anchor_blocks_per_second_warm": 10.0,
+        "samples_per_second_warm": 2.0,
+    }
+    with pytest.raises(ValueError, match="warmup_steps must be >= 1"):
+        ThroughputCallback(lambda: (trained["blocks"], 0), warmup_steps=0)
 
 
 def test_export_writes_shards_every_loader_reads(tmp_path):
