@@ -90,7 +90,8 @@ class DFlashLossMixin:
         hidden, markov_bias = draft_forward(model, self.adapter, context, blocks, implementation, self.has_markov_head)
         slots = LabelledSlots.of(blocks.weights > 0)
         if len(slots) == 0:  # no sequence had room for a block: keep every parameter in the graph (DDP)
-            return hidden.sum() * 0.0, {"correct": torch.zeros_like(slots.mask), "selected": slots.mask}
+            zero = hidden.sum() * 0.0 + (0.0 if markov_bias is None else markov_bias.sum() * 0.0)
+            return zero, {"correct": torch.zeros_like(slots.mask), "selected": slots.mask}
         logits, labels, target_probs = self._slot_targets(slots.take(hidden), blocks, teacher, slots)
         # with a Markov head, the logits the engine drafts from (the metrics' too) are the corrected ones
         corrected = logits if markov_bias is None else logits + slots.take(markov_bias).float()

@@ -307,3 +307,20 @@ def test_a_training_step_reads_the_device_twice(tiny_data, tmp_path, monkeypatch
         loss.backward()
     assert sum(reads.counts.values()) == STEP_READS + PADDED_TARGET_FORWARD_READS, reads.counts
     assert all(p.grad is not None for p in trainer.model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("markov", [False, True], ids=["drafter", "markov-head"])
+def test_a_batch_without_room_for_a_block_is_a_zero_loss_that_reaches_every_parameter(tiny_data, tmp_path, markov):
+    """No response token (an all-zero loss mask): the loss is zero and every trainable parameter, a Markov head's
+    included, gets a gradient (zero), as DDP needs from every process."""
+    target, tok, data = tiny_data
+    settings = dict(markov_rank=4, markov_loss_weight=0.5) if markov else {}
+    trainer = DFlashTrainer(args=config(tmp_path, **settings), target=target, train_dataset=data, processing_class=tok)
+    batch = DFlashDataCollator(pad_token_id=0)([data[i] for i in range(3)])
+    batch["loss_mask"] = torch.zeros_like(batch["loss_mask"])
+    trainer.model.train()
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    assert loss.item() == 0.0
+    trained = [p for p in trainer.model.parameters() if p.requires_grad]
+    assert trained and all(p.grad is not None and not p.grad.any() for p in trained)
