@@ -179,8 +179,14 @@ def check_options(candidates: str, sampling_proposal: str, lookup_tokens: int | 
 def check_devices(
     target: PreTrainedModel, drafter: DFlashDraftModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 ) -> None:
-    """Refuse a drafter or a prompt on another device than the target (which would end in a device error deep in a
-    forward), naming each device and the fix."""
+    """Refuse a target dispatched over several devices (`device_map`), a drafter or a prompt on another device than
+    the target (each would end in a device error deep in a forward), naming the devices and the fix."""
+    placed = sorted({str(where) for where in (getattr(target, "hf_device_map", None) or {}).values()})
+    if len(placed) > 1:
+        raise ValueError(
+            f"The target is dispatched over several devices ({', '.join(placed)}; `device_map`): DFlash generation "
+            "reads its layers' hidden states on one device: load it on one (`device_map={'': 0}` or `.to(device)`)."
+        )
     device = target.device
     if drafter.device != device:
         raise ValueError(

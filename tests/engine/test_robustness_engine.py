@@ -415,6 +415,14 @@ def test_a_drafter_on_another_device_than_the_target_is_a_value_error(target):
             call()
 
 
+def test_a_target_dispatched_over_several_devices_is_a_value_error(target, drafter, monkeypatch):
+    monkeypatch.setattr(target, "hf_device_map", {"model.embed_tokens": 0, "model.layers.0": 0, "lm_head": 1}, False)
+    with pytest.raises(ValueError, match=r"^The target is dispatched over several devices \(0, 1; `device_map`\)"):
+        dflash_hf.generate(target, drafter, torch.tensor([[5, 6, 7]]), max_new_tokens=4)
+    monkeypatch.setattr(target, "hf_device_map", {"": "cpu"}, False)  # one device: runs
+    assert dflash_hf.generate(target, drafter, torch.tensor([[5, 6, 7]]), max_new_tokens=4).shape == (1, 7)
+
+
 def test_a_prompt_on_another_device_than_the_target_is_a_value_error(target, drafter, monkeypatch):
     """The target and drafter on one accelerator, the prompt left on the CPU: refused before any forward."""
     elsewhere = torch.device("cuda", 0)
