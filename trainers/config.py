@@ -88,6 +88,11 @@ class DFlashTrainingConfig(TrainingArguments):
             these rows, so a run can start while `cache-features` is still working through the rest.
         skip_train_samples (`int`, defaults to `0`): Leave out the first N rows of the training data: continue a
             drafter on the rows a grown make-data folder added since its last stage (offline features stay aligned).
+        loss_chunk_size (`int`, *optional*): Labelled slots scored at once: the LM head's logits of a chunk (and the
+            teacher's distribution there) live together, and with several chunks each is recomputed in the backward
+            pass, so the loss holds `chunk x vocabulary` values instead of every slot's (a Qwen3-8B-sized vocabulary
+            and 512 anchors of 16 slots: about 4.7 GB of float32 logits per row, several times over in the loss).
+            Default: chunks of at most 2**28 logits on GPU, every slot at once on CPU; `0`: every slot at once.
         attention_backend (`str`, defaults to `"auto"`): Drafter attention during training: `"flex_attention"`
             (sparse block mask; the default on GPU), `"sdpa"` with a dense boolean mask (the default on CPU, where
             flex attention has no backward) or `"eager"`.
@@ -208,6 +213,14 @@ class DFlashTrainingConfig(TrainingArguments):
     skip_train_samples: int = field(
         default=0, metadata={"help": "Leave out the first N rows (train on the rows a grown data folder added)."}
     )
+    loss_chunk_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Labelled slots scored at once (their LM-head logits and losses), each chunk recomputed in the "
+            "backward pass: the loss holds chunk x vocabulary logits, not every slot's. Default: chunks of at most "
+            "2**28 logits on GPU, every slot at once on CPU; 0: every slot at once."
+        },
+    )
     attention_backend: str = field(
         default="auto",
         metadata={
@@ -286,6 +299,8 @@ class DFlashTrainingConfig(TrainingArguments):
                 "features='offline' needs features_dir: run `dflash-hf cache-features --target T --data D --out F` "
                 "first and pass --features_dir F (or use features='online')."
             )
+        if self.loss_chunk_size is not None and int(self.loss_chunk_size) < 0:
+            raise ValueError(f"loss_chunk_size must be >= 0 (0: every slot at once), got {self.loss_chunk_size}.")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
         if self.loss_weighting not in LOSS_WEIGHTINGS:

@@ -11,7 +11,6 @@ import torch
 from dflash_hf.target.adapter import TargetAdapter
 
 from .masks import BlockBatch, block_attention_mask, flex_block_mask
-from .slots import LabelledSlots
 
 
 def draft_forward(
@@ -66,13 +65,14 @@ def teacher_probs(
     adapter: TargetAdapter,
     teacher: torch.Tensor,
     positions: torch.Tensor,
-    slots: LabelledSlots,
+    index: tuple[torch.Tensor, ...],
     draft_token_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The target's own next-token distribution `(n, V)` for each of the `n` labelled `slots` (at `positions`,
-    `(b, A, B)`): its final hidden state (`teacher`, `(b, seq, H)`) one position earlier, through the frozen LM
-    head, over the draft vocabulary `draft_token_ids` where reduced (renormalised there)."""
-    source = slots.take((positions - 1).clamp_min(0))  # slot at position p is predicted from the target at p - 1
-    hidden = teacher[slots.rows, source].to(adapter.lm_head.weight.dtype)
+    """The target's own next-token distribution `(n, V)` for each of `n` labelled slots (their places `index` in
+    `positions`, `(b, A, B)`; `LabelledSlots.index` or a chunk of it): its final hidden state (`teacher`,
+    `(b, seq, H)`) one position earlier, through the frozen LM head, over the draft vocabulary `draft_token_ids` where
+    reduced (renormalised there)."""
+    source = (positions - 1).clamp_min(0)[index]  # slot at position p is predicted from the target at p - 1
+    hidden = teacher[index[0], source].to(adapter.lm_head.weight.dtype)
     draft_ids = None if draft_token_ids is None else draft_token_ids.to(hidden.device)
     return adapter.logits(hidden, draft_ids).float().softmax(dim=-1)

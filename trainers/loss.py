@@ -7,8 +7,9 @@
 3. one drafter forward over all blocks of the batch: `[anchor, MASK * (B - 1)]` per block after the context, with
    the sparse mask (context strictly before the anchor + own block; blocks blind to each other) as a flex
    `BlockMask` on GPU or a dense boolean mask (SDPA) on CPU (`forward.draft_forward`);
-4. same-position labels, target LM head on the labelled slots only, cross-entropy weighted by
-   `exp(-(k - 1) / gamma)` and normalised by the weight sum (`metrics.block_loss`);
+4. same-position labels, target LM head on the labelled slots only (`loss_chunk_size` of them at a time, each chunk
+   recomputed in the backward pass), cross-entropy weighted by `exp(-(k - 1) / gamma)` and normalised by the weight
+   sum (`metrics.weighted_loss_sum`);
 5. with a Markov head: the head's correction for each slot's true previous token (teacher forcing) added to those
    logits, each slot's loss mixed as `(1 - w) * CE(backbone logits) + w * CE(corrected logits)`
    (`markov_loss_weight`); `freeze_backbone` trains the head alone.
@@ -16,14 +17,17 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from dflash_hf.modeling import DFlashDraftModel
+from torch.utils.checkpoint import checkpoint
 from transformers.cache_utils import DynamicCache
 
 from .config import DFlashTrainingConfig
 from .forward import draft_forward, slot_logits, teacher_probs
 from .masks import BlockBatch, build_blocks, sample_anchors
-from .metrics import block_loss, correct_slots
+from .metrics import dpace_slot_weights, label_probabilities, weighted_loss_sum
 from .slots import LabelledSlots
 
 
@@ -51,6 +55,7 @@ class DFlashLossMixin:
         self.hard_labels = args.hard_labels
         self.has_markov_head = model.markov_head is not None
         self.markov_loss_weight = float(args.markov_loss_weight)
+        self.loss_chunk_size = int(args.loss_chunk_size or 0)  # `DFlashTrainer` sets the device's default
         draft_ids = model.draft_token_ids
         self.draft_token_ids = None if draft_ids is None else draft_ids.detach().clone()
         self.target_to_draft = None  # target id -> draft id, -100 (ignored) outside the draft vocabulary
@@ -92,22 +97,8 @@ class DFlashLossMixin:
         if len(slots) == 0:  # no sequence had room for a block: keep every parameter in the graph (DDP)
             zero = hidden.sum() * 0.0 + (0.0 if markov_bias is None else markov_bias.sum() * 0.0)
             return zero, {"correct": torch.zeros_like(slots.mask), "selected": slots.mask}
-        logits, labels, target_probs = self._slot_targets(slots.take(hidden), blocks, teacher, slots)
-        # with a Markov head, the logits the engine drafts from (the metrics' too) are the corrected ones
-        corrected = logits if markov_bias is None else logits + slots.take(markov_bias).float()
-        loss = block_loss(
-            corrected,
-            labels,
-            slots.take(blocks.weights),
-            slots,
-            loss_weighting=self.loss_weighting,
-            target_probs=target_probs,
-            distill_weight=self.distill_weight,
-            tv_weight=self.tv_weight,
-            backbone_logits=None if markov_bias is None else logits,
-            markov_loss_weight=self.markov_loss_weight,
-        )
-        stats = {"correct": correct_slots(corrected, labels, slots), "selected": slots.mask}
+        loss, correct = self._labelled_loss(hidden, markov_bias, blocks, teacher, slots)
+        stats = {"correct": slots.spread(correct, False), "selected": slots.mask}
         return loss, {**stats, "anchors": blocks.anchors, "anchor_valid": blocks.anchor_valid}
 
     def _features(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -141,20 +132,96 @@ class DFlashLossMixin:
             input_ids, loss_mask, anchor_ids, anchor_valid, self.block_size, self.mask_token_id, self.loss_decay_gamma
         )
 
+    def _labelled_loss(
+        self,
+        hidden: torch.Tensor,
+        markov_bias: torch.Tensor | None,
+        blocks: BlockBatch,
+        teacher: torch.Tensor | None,
+        slots: LabelledSlots,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's loss over its labelled `slots` and, per slot, whether the drafter's argmax is its label.
+
+        The slots are scored `loss_chunk_size` at a time: the LM head's logits of one chunk (and the teacher's
+        distribution there) live at once, and with several chunks each one is recomputed in the backward pass
+        (activation checkpointing) instead of kept, so the loss's memory is a chunk's, not the batch's. D-PACE weighs
+        each slot by its block's label probabilities, taken in a pass without gradient first.
+        """
+        chunks = slots.chunks(self.loss_chunk_size)
+        weights = slots.take(blocks.weights)
+        if self.loss_weighting == "dpace":
+            with torch.no_grad():
+                scored = (self._scored(hidden, markov_bias, blocks, teacher, index) for index in chunks)
+                probs = torch.cat([label_probabilities(logits, labels) for logits, labels, *_ in scored])
+            weights = slots.take(dpace_slot_weights(slots.spread(probs), slots.mask))
+        recompute = len(chunks) > 1 and torch.is_grad_enabled()
+        sums, correct = [], []
+        for index, chunk_weights in zip(chunks, weights.split([len(index[0]) for index in chunks])):
+            score = partial(self._chunk_loss, blocks=blocks, teacher=teacher, index=index)
+            total, right = (
+                checkpoint(score, hidden, markov_bias, chunk_weights, use_reentrant=False)
+                if recompute
+                else score(hidden, markov_bias, chunk_weights)
+            )
+            sums.append(total)
+            correct.append(right)
+        return torch.stack(sums).sum() / weights.sum(), torch.cat(correct)
+
+    def _chunk_loss(
+        self,
+        hidden: torch.Tensor,
+        markov_bias: torch.Tensor | None,
+        weights: torch.Tensor,
+        *,
+        blocks: BlockBatch,
+        teacher: torch.Tensor | None,
+        index: tuple[torch.Tensor, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weighted loss sum of the slots at `index` (`metrics.weighted_loss_sum`) and whether each one's argmax
+        is its label."""
+        corrected, labels, target_probs, backbone = self._scored(hidden, markov_bias, blocks, teacher, index)
+        total = weighted_loss_sum(
+            corrected,
+            labels,
+            weights,
+            target_probs=target_probs,
+            distill_weight=self.distill_weight,
+            tv_weight=self.tv_weight,
+            backbone_logits=backbone,
+            markov_loss_weight=self.markov_loss_weight,
+        )
+        return total, corrected.argmax(dim=-1) == labels
+
+    def _scored(
+        self,
+        hidden: torch.Tensor,
+        markov_bias: torch.Tensor | None,
+        blocks: BlockBatch,
+        teacher: torch.Tensor | None,
+        index: tuple[torch.Tensor, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """For the labelled slots at `index`: the logits the engine drafts from (with a Markov head, corrected by
+        it), their hard labels, the teacher's distribution where the loss uses it (else `None`), and with a Markov
+        head the backbone's own logits (else `None`)."""
+        logits, labels, target_probs = self._slot_targets(hidden[index], blocks, teacher, index)
+        if markov_bias is None:
+            return logits, labels, target_probs, None
+        return logits + markov_bias[index].float(), labels, target_probs, logits
+
     def _slot_targets(
-        self, hidden: torch.Tensor, blocks: BlockBatch, teacher: torch.Tensor | None, slots: LabelledSlots
+        self, hidden: torch.Tensor, blocks: BlockBatch, teacher: torch.Tensor | None, index: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """For the labelled slots' hidden states `hidden`: the backbone's logits and their hard labels
+        """For the labelled slots' hidden states `hidden` (at `index`): the backbone's logits and their hard labels
         (`forward.slot_logits`), and the teacher's distribution where the loss uses it (`forward.teacher_probs`, else
         `None`)."""
         if self.draft_token_ids is not None:  # the draft vocabulary's maps follow the batch's device
             self.draft_token_ids = self.draft_token_ids.to(hidden.device)
             self.target_to_draft = self.target_to_draft.to(blocks.labels.device)
-        labels = slots.take(blocks.labels)
+        labels = blocks.labels[index]
         logits, labels = slot_logits(self.adapter, hidden, labels, self.draft_token_ids, self.target_to_draft)
         if not self._uses_teacher:
             return logits, labels, None
-        target_probs = teacher_probs(self.adapter, teacher, blocks.block_positions, slots, self.draft_token_ids)
+        target_probs = teacher_probs(self.adapter, teacher, blocks.block_positions, index, self.draft_token_ids)
         if self.hard_labels == "target":
             labels = target_probs.argmax(dim=-1)
         return logits, labels, target_probs

@@ -4,12 +4,12 @@ The trainer keeps only state (the running sums of each mode, their reduction acr
 is computed here:
 
 * **loss weights:** `exp(-(k - 1) / gamma)` per slot ([`slot_loss_weights`], `gamma` by block size in
-  [`default_loss_decay_gamma`]) or D-PACE ([`dpace_slot_weights`]); the per-slot loss is the cross-entropy of the
-  label, mixed with distillation and total variation ([`slot_losses`]);
-* **the batch's loss:** the slot losses (a Markov head's mixed with the backbone's), weighted and normalised
-  ([`block_loss`]);
-* **per-slot accuracy:** which slots the drafter gets right ([`correct_slots`]), correct and labelled slots summed over
-  a batch ([`slot_accuracy_sums`]), divided at log time ([`slot_accuracies`]);
+  [`default_loss_decay_gamma`]) or D-PACE ([`dpace_slot_weights`] of the [`label_probabilities`]); the per-slot loss is
+  the cross-entropy of the label, mixed with distillation and total variation ([`slot_losses`]);
+* **the batch's loss:** the slot losses (a Markov head's mixed with the backbone's), weighted ([`weighted_loss_sum`],
+  any part of the slots at a time) and normalised by the weights' sum;
+* **per-slot accuracy:** correct and labelled slots summed over a batch ([`slot_accuracy_sums`]), divided at log time
+  ([`slot_accuracies`]);
 * **acceptance:** implied by the per-slot accuracies ([`implied_acceptance_length`]), measured block by block
   ([`accepted_drafts`]) and replayed as greedy decoding on each response ([`decoding_walk`]);
 * **metric sums:** what one batch adds ([`batch_metric_sums`]) and the logged metrics they give ([`metrics_from_sums`]).
@@ -21,8 +21,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-
-from .slots import LabelledSlots
 
 LOSS_WEIGHTINGS = ("exp_decay", "dpace")
 
@@ -89,20 +87,12 @@ def dpace_slot_weights(label_probs: torch.Tensor, valid: torch.Tensor) -> torch.
         return torch.where(valid, weights, torch.zeros((), device=weights.device))
 
 
-def dpace_label_weights(logits: torch.Tensor, labels: torch.Tensor, slots: LabelledSlots) -> torch.Tensor:
-    """D-PACE weights of the labelled slots, from the drafter's probabilities of their labels (0 for a label it
-    cannot draft, `-100`).
-
-    Args:
-        logits: `(n, vocab)` of the `n` labelled `slots`. labels: `(n,)`.
-
-    Returns:
-        `(n,)` weights, in the order of the slots.
-    """
+def label_probabilities(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """`(n,)`: the drafter's probability of each slot's label from its `logits` `(n, vocab)` (0 for a label it cannot
+    draft, `-100`), without gradient: what [`dpace_slot_weights`] weighs slots by."""
     with torch.no_grad():
         probs = logits.float().softmax(dim=-1).gather(-1, labels.clamp_min(0)[:, None])[:, 0]
-        probs = torch.where(labels >= 0, probs, torch.zeros_like(probs))
-        return slots.take(dpace_slot_weights(slots.spread(probs), slots.mask))
+        return torch.where(labels >= 0, probs, torch.zeros_like(probs))
 
 
 def total_variation(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
@@ -133,26 +123,23 @@ def slot_losses(
     return ce
 
 
-def block_loss(
+def weighted_loss_sum(
     logits: torch.Tensor,
     labels: torch.Tensor,
     weights: torch.Tensor,
-    slots: LabelledSlots,
     *,
-    loss_weighting: str = "exp_decay",
     target_probs: torch.Tensor | None = None,
     distill_weight: float = 0.0,
     tv_weight: float = 0.0,
     backbone_logits: torch.Tensor | None = None,
     markov_loss_weight: float = 1.0,
 ) -> torch.Tensor:
-    """The loss of one batch's labelled slots: each slot's loss ([`slot_losses`]), weighted and normalised by the sum of
-    the weights.
+    """The weighted sum of labelled slots' losses ([`slot_losses`]); a batch's loss is that sum over all its labelled
+    slots divided by the sum of their weights.
 
     Args:
-        logits: `(n, vocab)` of the `n` labelled `slots` (with a Markov head: corrected by it). labels: `(n,)`.
-        weights: `(n,)` slot weights, used with `loss_weighting="exp_decay"`; `"dpace"` takes [`dpace_label_weights`]
-            of `logits` instead (which need the slots' places).
+        logits: `(n, vocab)` of `n` labelled slots (with a Markov head: corrected by it). labels: `(n,)`.
+        weights: `(n,)` slot weights (`exp_decay`'s, or D-PACE's from [`label_probabilities`]).
         target_probs, distill_weight, tv_weight: the distillation / total-variation mix of [`slot_losses`].
         backbone_logits: `(n, vocab)`, with a Markov head: the logits before its correction; each slot's loss is then
             `w * loss(logits) + (1 - w) * loss(backbone_logits)` with `w = markov_loss_weight`.
@@ -161,18 +148,10 @@ def block_loss(
     if backbone_logits is not None and markov_loss_weight < 1.0:
         backbone = slot_losses(backbone_logits, labels, target_probs, distill_weight, tv_weight)
         losses = markov_loss_weight * losses + (1.0 - markov_loss_weight) * backbone
-    if loss_weighting == "dpace":
-        weights = dpace_label_weights(logits, labels, slots)
-    return (losses * weights).sum() / weights.sum()
+    return (losses * weights).sum()
 
 
 # ------------------------------------------------------------------------------------------- accuracy, acceptance
-
-
-def correct_slots(logits: torch.Tensor, labels: torch.Tensor, slots: LabelledSlots) -> torch.Tensor:
-    """Bool like `slots.mask` `(..., block)`: the labelled slots whose argmax of `logits` `(n, vocab)` is their label
-    `(n,)`; False elsewhere."""
-    return slots.spread(logits.argmax(dim=-1) == labels, False)
 
 
 def slot_accuracy_sums(correct: torch.Tensor, selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -64,6 +64,17 @@ def _resolve_attention(backend: str, device: torch.device) -> str:
     return backend
 
 
+LOSS_CHUNK_LOGITS = 2**28  # the most logits a loss chunk holds on a GPU by default (1 GiB in float32)
+
+
+def _resolve_loss_chunk(size: int | None, device: torch.device, vocabulary: int) -> int:
+    """`loss_chunk_size` on `device`: as given, else chunks of at most [`LOSS_CHUNK_LOGITS`] logits over
+    `vocabulary` on a GPU and every slot at once (0) on CPU, where memory is rarely short and recomputing costs."""
+    if size is not None:
+        return int(size)
+    return max(1, LOSS_CHUNK_LOGITS // vocabulary) if device.type == "cuda" else 0
+
+
 def _warn_if_bf16_is_emulated(args: DFlashTrainingConfig) -> None:
     """bf16 autocast on a CPU without native bfloat16 trains, but every bf16 matmul is emulated: say so."""
     if args.bf16 and args.device.type == "cpu" and runtime.native_bf16_feature() is None:
@@ -222,10 +233,12 @@ class DFlashTrainer(DFlashLossMixin, PickleFreeCheckpoints):
         return dataset
 
     def _prepare_device(self, args: DFlashTrainingConfig) -> None:
-        """Once the Trainer knows the device: the drafter's attention backend there, the target moved there (unless
-        it is dispatched over devices), and a warning where bf16 is emulated."""
+        """Once the Trainer knows the device: the drafter's attention backend and the loss's chunk size there, the
+        target moved there (unless it is dispatched over devices), and a warning where bf16 is emulated."""
         _warn_if_bf16_is_emulated(self.args)
         self.attn_implementation = _resolve_attention(args.attention_backend, self.args.device)
+        scored = self.adapter.vocab_size if self.draft_token_ids is None else self.draft_token_ids.numel()
+        self.loss_chunk_size = _resolve_loss_chunk(args.loss_chunk_size, self.args.device, scored)
         self._set_attention(self.model, self.attn_implementation)
         if self.target.device != self.args.device and not getattr(self.target, "hf_device_map", None):
             self.target.to(self.args.device)

@@ -57,7 +57,7 @@ def test_trainer_weights_the_loss_by_dpace(tiny_data, tmp_path, monkeypatch):
             seen["weights"] = real(label_probs, valid)
             return seen["weights"]
 
-        monkeypatch.setattr("dflash_hf.trainers.metrics.dpace_slot_weights", spy)
+        monkeypatch.setattr("dflash_hf.trainers.loss.dpace_slot_weights", spy)
         batch, anchors = fixed_batch(trainer, data)
         trainer.model.eval()
         loss, stats = trainer.dflash_loss(trainer.model, batch, anchors=anchors)

@@ -1,5 +1,6 @@
 """Recipe switches of DFlashTrainingConfig: coverage, distillation, initialisation from the target, Muon, bf16
-autocast, held-out acceptance evaluation with best-checkpoint selection and early stopping."""
+autocast, held-out acceptance evaluation with best-checkpoint selection and early stopping, the loss scored a chunk of
+slots at a time."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dflash_hf.trainers import DFlashDataCollator, DFlashTrainer, DFlashTraining
 from dflash_hf.trainers.initialisation import initialise_from_target
 from dflash_hf.trainers.masks import valid_anchor_positions
 from dflash_hf.trainers.optimizers import MuonWithAdamW, newton_schulz_float32_pays, orthogonalise_in_float32
-from testing_utils import REPO, make_tiny_target, run_make_data, tiny_train_config, write_prompts
+from testing_utils import REPO, fixed_batch, make_tiny_target, run_make_data, tiny_train_config, write_prompts
 
 from dflash_hf.data.features import OfflineFeatureDataset, cache_features
 from dflash_hf.data.make import load_training_data
@@ -482,3 +483,40 @@ def test_shipped_recipes_parse(recipe):
         parsed = getattr(script, key) if hasattr(script, key) else getattr(config, key)
         if key not in ("use_cpu", "report_to"):  # report_to "none" becomes []
             assert parsed == value or str(parsed) == str(value) or getattr(parsed, "value", None) == value, key
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(),
+        dict(loss_weighting="dpace"),
+        dict(distill_weight=0.3, tv_weight=0.2),
+        dict(hard_labels="target", draft_vocab_size=12),
+        dict(markov_rank=4, markov_loss_weight=0.5),
+    ],
+    ids=["exp-decay", "dpace", "distill-tv", "target-labels-draft-vocab", "markov-head"],
+)
+def test_a_chunked_loss_is_the_whole_loss_with_a_chunk_of_logits_at_a_time(tiny_data, tmp_path, monkeypatch, settings):
+    """`loss_chunk_size=5`: the same loss, gradients and accuracy statistics as every slot at once, and the LM head
+    never scores more than 5 slots in one call (forward or recomputation in the backward pass)."""
+    target, tok, data = tiny_data
+    trainer = DFlashTrainer(args=config(tmp_path, **settings), target=target, train_dataset=data, processing_class=tok)
+    assert trainer.loss_chunk_size == 0  # on CPU: every slot at once by default
+    batch, anchors = fixed_batch(trainer, data)
+    trainer.model.train()
+    results, logits = [], trainer.adapter.logits
+    for size in (0, 5):
+        trainer.loss_chunk_size = size
+        trainer.model.zero_grad()
+        scored = []
+        monkeypatch.setattr(
+            trainer.adapter, "logits", lambda h, *a, seen=scored: seen.append(h.shape[0]) or logits(h, *a)
+        )
+        loss, stats = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
+        loss.backward()
+        grads = [p.grad.clone() for p in trainer.model.parameters() if p.requires_grad]
+        results.append((loss.detach(), stats["correct"], grads, scored))
+    (whole, correct, grads, scored), (chunked, chunked_correct, chunked_grads, chunked_scored) = results
+    assert max(scored) > 5 and max(chunked_scored) <= 5
+    assert torch.allclose(whole, chunked, rtol=1e-5) and torch.equal(correct, chunked_correct)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(grads, chunked_grads))

@@ -292,8 +292,9 @@ STEP_READS, PADDED_TARGET_FORWARD_READS = 2, 2
         dict(distill_weight=0.3, tv_weight=0.2),
         dict(hard_labels="target", draft_vocab_size=12),
         dict(markov_rank=4, markov_loss_weight=0.5),
+        dict(loss_chunk_size=5, loss_weighting="dpace", distill_weight=0.5),
     ],
-    ids=["exp-decay", "dpace", "distill-tv", "target-labels-draft-vocab", "markov-head"],
+    ids=["exp-decay", "dpace", "distill-tv", "target-labels-draft-vocab", "markov-head", "chunked"],
 )
 def test_a_training_step_reads_the_device_twice(tiny_data, tmp_path, monkeypatch, settings):
     """Counted on the loss and its backward of one right-padded batch with online features."""
