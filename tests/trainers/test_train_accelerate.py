@@ -76,11 +76,14 @@ def test_accelerate_two_process_cpu_run(tmp_path):
         str(tmp_path / "run"),
         "--max_steps",
         "2",  # flags override the recipe file
+        "--max_train_seconds",
+        "600",  # each step asks every process whether to stop (a collective over gloo)
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["global_step"] == 2
+    assert summary["world_size"] == 2 and summary["global_step"] == 2 and not summary["stopped_at_time_limit"]
+    assert summary["anchor_blocks_per_second_warm"] > 0  # the rates of step 2, summed over both processes
     ckpt = tmp_path / "run" / "checkpoint-2"
     assert (ckpt / "model.safetensors").is_file() and (ckpt / "optimizer.safetensors").is_file()
     assert (ckpt / "rng_state_0.safetensors").is_file() and (ckpt / "rng_state_1.safetensors").is_file()  # per process

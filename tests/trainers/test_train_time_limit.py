@@ -52,6 +52,22 @@ def test_the_limit_stops_before_the_step_that_would_end_past_it():
     assert steps == 1
 
 
+def test_every_process_of_a_distributed_run_stops_when_one_would(monkeypatch):
+    """Here 35 s leave room for a fourth step, but another process's clock says otherwise after the second: all stop."""
+    distributed = torch.distributed
+    monkeypatch.setattr(distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed, "get_world_size", lambda: 2)
+    steps_seen = []
+
+    def all_reduce(flag, op):  # the other process would stop from its second step on
+        steps_seen.append(len(steps_seen) + 1)
+        flag.fill_(max(float(flag), 1.0 if len(steps_seen) >= 2 else 0.0))
+
+    monkeypatch.setattr(distributed, "all_reduce", all_reduce)
+    steps, control = step_ends(TimeLimitCallback(35), [0, 5, 10, 15, 20])
+    assert (steps, control.should_training_stop) == (2, True)
+
+
 def test_the_limit_saves_only_where_the_run_saves_and_a_finished_run_is_no_early_stop():
     callback = TimeLimitCallback(15)
     _, control = step_ends(callback, [0, 10, 20], save_strategy="no")
