@@ -174,16 +174,14 @@ _COMPILED_LOCK = threading.Lock()
 
 def compiled_call(module: torch.nn.Module, compile_config: CompileConfig) -> Callable:
     """`module.__call__` compiled with `compile_config` (compiled once, kept while the config stays the same, as
-    Transformers' `get_compiled_call` keeps a generating model's), allowed [`COMPILED_SHAPES`] graphs."""
+    Transformers' `get_compiled_call` keeps a generating model's). Dynamo's recompile limit is raised to
+    [`COMPILED_SHAPES`] for the process, never lowered: a limit set around each call would be put back by one thread
+    while another compiles, and a frame over the limit runs eagerly from then on."""
     with _COMPILED_LOCK:
+        dynamo_config = torch._dynamo.config
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, COMPILED_SHAPES)
         held = _COMPILED.get(module)
         if held is None or held[0] != compile_config:
             held = (compile_config, torch.compile(module.__call__, **compile_config.to_dict()))
             _COMPILED[module] = held
-    compiled = held[1]
-
-    def call(*args, **kwargs):
-        with torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES):
-            return compiled(*args, **kwargs)
-
-    return call
+    return held[1]

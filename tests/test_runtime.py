@@ -1,12 +1,14 @@
-"""runtime.Stopwatch: the time of the regions it wraps, summed, read once they are done."""
+"""runtime.Stopwatch: the time of the regions it wraps, summed, read once they are done; runtime.compiled_call: one
+compiled call per module and config, and dynamo's recompile limit raised for the process, never lowered."""
 
 from __future__ import annotations
 
 import time
 
 import torch
+from transformers import CompileConfig
 
-from dflash_hf.runtime import Stopwatch
+from dflash_hf.runtime import COMPILED_SHAPES, Stopwatch, compiled_call
 
 
 def test_stopwatch_sums_its_regions_and_reads_them_once():
@@ -21,3 +23,23 @@ def test_stopwatch_sums_its_regions_and_reads_them_once():
     with watch:
         pass
     assert watch.total >= total
+
+
+class _Affine(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+
+def test_a_compiled_call_is_kept_per_module_and_config_and_the_recompile_limit_only_rises(monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    module = _Affine()
+    config = CompileConfig(backend="eager", mode=None, fullgraph=True)
+    call = compiled_call(module, config)
+    assert torch._dynamo.config.recompile_limit == COMPILED_SHAPES  # for the process: no per-call patch to undo
+    assert compiled_call(module, CompileConfig(backend="eager", mode=None, fullgraph=True)) is call  # equal config
+    assert compiled_call(module, CompileConfig(backend="eager", mode=None, fullgraph=False)) is not call
+    inputs = torch.ones(4, 3)
+    assert torch.equal(call(inputs), module(inputs))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 4 * COMPILED_SHAPES)  # a caller's higher limit stays
+    compiled_call(_Affine(), config)
+    assert torch._dynamo.config.recompile_limit == 4 * COMPILED_SHAPES
