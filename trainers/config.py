@@ -92,7 +92,8 @@ class DFlashTrainingConfig(TrainingArguments):
             teacher's distribution there) live together, and with several chunks each is recomputed in the backward
             pass, so the loss holds `chunk x vocabulary` values instead of every slot's (a Qwen3-8B-sized vocabulary
             and 512 anchors of 16 slots: about 4.7 GB of float32 logits per row, several times over in the loss).
-            Default: chunks of at most 2**28 logits on GPU, every slot at once on CPU; `0`: every slot at once.
+            Default: chunks of at most 2**28 logits on GPU, every slot at once on CPU; `0`: every slot at once. A
+            Markov head's correction, the drafter's own output over every slot, stays whole.
         attention_backend (`str`, defaults to `"auto"`): Drafter attention during training: `"flex_attention"`
             (sparse block mask; the default on GPU), `"sdpa"` with a dense boolean mask (the default on CPU, where
             flex attention has no backward) or `"eager"`.

@@ -9,7 +9,7 @@
    `BlockMask` on GPU or a dense boolean mask (SDPA) on CPU (`forward.draft_forward`);
 4. same-position labels, target LM head on the labelled slots only (`loss_chunk_size` of them at a time, each chunk
    recomputed in the backward pass), cross-entropy weighted by `exp(-(k - 1) / gamma)` and normalised by the weight
-   sum (`metrics.weighted_loss_sum`);
+   sum (`metrics.mixed_slot_losses`);
 5. with a Markov head: the head's correction for each slot's true previous token (teacher forcing) added to those
    logits, each slot's loss mixed as `(1 - w) * CE(backbone logits) + w * CE(corrected logits)`
    (`markov_loss_weight`); `freeze_backbone` trains the head alone.
@@ -27,7 +27,7 @@ from transformers.cache_utils import DynamicCache
 from .config import DFlashTrainingConfig
 from .forward import draft_forward, slot_logits, teacher_probs
 from .masks import BlockBatch, build_blocks, sample_anchors
-from .metrics import dpace_slot_weights, label_probabilities, weighted_loss_sum
+from .metrics import dpace_slot_weights, label_probabilities, mixed_slot_losses
 from .slots import LabelledSlots
 
 
@@ -144,69 +144,60 @@ class DFlashLossMixin:
 
         The slots are scored `loss_chunk_size` at a time: the LM head's logits of one chunk (and the teacher's
         distribution there) live at once, and with several chunks each one is recomputed in the backward pass
-        (activation checkpointing) instead of kept, so the loss's memory is a chunk's, not the batch's. D-PACE weighs
-        each slot by its block's label probabilities, taken in a pass without gradient first.
+        (activation checkpointing) instead of kept, so the loss's logits are a chunk's, not the batch's. Each chunk
+        gives its slots' losses and their labels' probabilities; the weights (exp-decay's, or D-PACE's from those
+        probabilities) then weigh the losses.
         """
         chunks = slots.chunks(self.loss_chunk_size)
+        sizes = [len(index[0]) for index in chunks]
+        parts = zip(
+            chunks,
+            slots.take(hidden).split(sizes),
+            [None] * len(chunks) if markov_bias is None else slots.take(markov_bias).split(sizes),
+        )
+        recompute = len(chunks) > 1 and torch.is_grad_enabled()
+        losses, probs, correct = [], [], []
+        for index, chunk_hidden, chunk_bias in parts:
+            score = partial(self._chunk_losses, blocks=blocks, teacher=teacher, index=index)
+            scored = (
+                checkpoint(score, chunk_hidden, chunk_bias, use_reentrant=False, preserve_rng_state=False)
+                if recompute
+                else score(chunk_hidden, chunk_bias)
+            )
+            for out, part in zip((losses, probs, correct), scored):
+                out.append(part)
         weights = slots.take(blocks.weights)
         if self.loss_weighting == "dpace":
-            with torch.no_grad():
-                scored = (self._scored(hidden, markov_bias, blocks, teacher, index) for index in chunks)
-                probs = torch.cat([label_probabilities(logits, labels) for logits, labels, *_ in scored])
-            weights = slots.take(dpace_slot_weights(slots.spread(probs), slots.mask))
-        recompute = len(chunks) > 1 and torch.is_grad_enabled()
-        sums, correct = [], []
-        for index, chunk_weights in zip(chunks, weights.split([len(index[0]) for index in chunks])):
-            score = partial(self._chunk_loss, blocks=blocks, teacher=teacher, index=index)
-            total, right = (
-                checkpoint(score, hidden, markov_bias, chunk_weights, use_reentrant=False)
-                if recompute
-                else score(hidden, markov_bias, chunk_weights)
-            )
-            sums.append(total)
-            correct.append(right)
-        return torch.stack(sums).sum() / weights.sum(), torch.cat(correct)
+            weights = slots.take(dpace_slot_weights(slots.spread(torch.cat(probs)), slots.mask))
+        return (torch.cat(losses) * weights).sum() / weights.sum(), torch.cat(correct)
 
-    def _chunk_loss(
+    def _chunk_losses(
         self,
         hidden: torch.Tensor,
         markov_bias: torch.Tensor | None,
-        weights: torch.Tensor,
         *,
         blocks: BlockBatch,
         teacher: torch.Tensor | None,
         index: tuple[torch.Tensor, ...],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weighted loss sum of the slots at `index` (`metrics.weighted_loss_sum`) and whether each one's argmax
-        is its label."""
-        corrected, labels, target_probs, backbone = self._scored(hidden, markov_bias, blocks, teacher, index)
-        total = weighted_loss_sum(
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For the labelled slots at `index` (their final hidden states `hidden` and Markov biases `markov_bias`):
+        each one's loss (`metrics.mixed_slot_losses`), its label's probability (no gradient; D-PACE weighs by it, else
+        empty) and whether its argmax is its label."""
+        logits, labels, target_probs = self._slot_targets(hidden, blocks, teacher, index)
+        # with a Markov head, the logits the engine drafts from (the metrics' too) are the corrected ones
+        corrected = logits if markov_bias is None else logits + markov_bias.float()
+        losses = mixed_slot_losses(
             corrected,
             labels,
-            weights,
             target_probs=target_probs,
             distill_weight=self.distill_weight,
             tv_weight=self.tv_weight,
-            backbone_logits=backbone,
+            backbone_logits=None if markov_bias is None else logits,
             markov_loss_weight=self.markov_loss_weight,
         )
-        return total, corrected.argmax(dim=-1) == labels
-
-    def _scored(
-        self,
-        hidden: torch.Tensor,
-        markov_bias: torch.Tensor | None,
-        blocks: BlockBatch,
-        teacher: torch.Tensor | None,
-        index: tuple[torch.Tensor, ...],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """For the labelled slots at `index`: the logits the engine drafts from (with a Markov head, corrected by
-        it), their hard labels, the teacher's distribution where the loss uses it (else `None`), and with a Markov
-        head the backbone's own logits (else `None`)."""
-        logits, labels, target_probs = self._slot_targets(hidden[index], blocks, teacher, index)
-        if markov_bias is None:
-            return logits, labels, target_probs, None
-        return logits + markov_bias[index].float(), labels, target_probs, logits
+        dpace = self.loss_weighting == "dpace"
+        probs = label_probabilities(corrected, labels) if dpace else losses.new_zeros(0).detach()
+        return losses, probs, corrected.argmax(dim=-1) == labels
 
     def _slot_targets(
         self, hidden: torch.Tensor, blocks: BlockBatch, teacher: torch.Tensor | None, index: tuple[torch.Tensor, ...]

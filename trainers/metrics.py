@@ -6,8 +6,8 @@ is computed here:
 * **loss weights:** `exp(-(k - 1) / gamma)` per slot ([`slot_loss_weights`], `gamma` by block size in
   [`default_loss_decay_gamma`]) or D-PACE ([`dpace_slot_weights`] of the [`label_probabilities`]); the per-slot loss is
   the cross-entropy of the label, mixed with distillation and total variation ([`slot_losses`]);
-* **the batch's loss:** the slot losses (a Markov head's mixed with the backbone's), weighted ([`weighted_loss_sum`],
-  any part of the slots at a time) and normalised by the weights' sum;
+* **the batch's loss:** the slot losses (a Markov head's mixed with the backbone's: [`mixed_slot_losses`], any part
+  of the slots at a time), weighted and normalised by the weights' sum;
 * **per-slot accuracy:** correct and labelled slots summed over a batch ([`slot_accuracy_sums`]), divided at log time
   ([`slot_accuracies`]);
 * **acceptance:** implied by the per-slot accuracies ([`implied_acceptance_length`]), measured block by block
@@ -123,10 +123,9 @@ def slot_losses(
     return ce
 
 
-def weighted_loss_sum(
+def mixed_slot_losses(
     logits: torch.Tensor,
     labels: torch.Tensor,
-    weights: torch.Tensor,
     *,
     target_probs: torch.Tensor | None = None,
     distill_weight: float = 0.0,
@@ -134,12 +133,11 @@ def weighted_loss_sum(
     backbone_logits: torch.Tensor | None = None,
     markov_loss_weight: float = 1.0,
 ) -> torch.Tensor:
-    """The weighted sum of labelled slots' losses ([`slot_losses`]); a batch's loss is that sum over all its labelled
-    slots divided by the sum of their weights.
+    """Per labelled slot `(n,)`: its loss ([`slot_losses`]), with a Markov head mixed with the backbone's; a batch's
+    loss is their sum weighted by the slots' weights and divided by the weights' sum.
 
     Args:
         logits: `(n, vocab)` of `n` labelled slots (with a Markov head: corrected by it). labels: `(n,)`.
-        weights: `(n,)` slot weights (`exp_decay`'s, or D-PACE's from [`label_probabilities`]).
         target_probs, distill_weight, tv_weight: the distillation / total-variation mix of [`slot_losses`].
         backbone_logits: `(n, vocab)`, with a Markov head: the logits before its correction; each slot's loss is then
             `w * loss(logits) + (1 - w) * loss(backbone_logits)` with `w = markov_loss_weight`.
@@ -148,7 +146,7 @@ def weighted_loss_sum(
     if backbone_logits is not None and markov_loss_weight < 1.0:
         backbone = slot_losses(backbone_logits, labels, target_probs, distill_weight, tv_weight)
         losses = markov_loss_weight * losses + (1.0 - markov_loss_weight) * backbone
-    return (losses * weights).sum()
+    return losses
 
 
 # ------------------------------------------------------------------------------------------- accuracy, acceptance

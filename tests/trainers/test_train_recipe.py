@@ -493,8 +493,9 @@ def test_shipped_recipes_parse(recipe):
         dict(distill_weight=0.3, tv_weight=0.2),
         dict(hard_labels="target", draft_vocab_size=12),
         dict(markov_rank=4, markov_loss_weight=0.5),
+        dict(markov_rank=4, markov_loss_weight=0.5, loss_weighting="dpace", distill_weight=0.5),
     ],
-    ids=["exp-decay", "dpace", "distill-tv", "target-labels-draft-vocab", "markov-head"],
+    ids=["exp-decay", "dpace", "distill-tv", "target-labels-draft-vocab", "markov-head", "markov-dpace-distill"],
 )
 def test_a_chunked_loss_is_the_whole_loss_with_a_chunk_of_logits_at_a_time(tiny_data, tmp_path, monkeypatch, settings):
     """`loss_chunk_size=5`: the same loss, gradients and accuracy statistics as every slot at once, and the LM head
@@ -518,5 +519,9 @@ def test_a_chunked_loss_is_the_whole_loss_with_a_chunk_of_logits_at_a_time(tiny_
         results.append((loss.detach(), stats["correct"], grads, scored))
     (whole, correct, grads, scored), (chunked, chunked_correct, chunked_grads, chunked_scored) = results
     assert max(scored) > 5 and max(chunked_scored) <= 5
+    with torch.no_grad():  # evaluation: chunked without recomputation, the same loss
+        trainer.model.eval()
+        evaluated, _ = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
+    assert torch.allclose(evaluated, chunked, rtol=1e-5)
     assert torch.allclose(whole, chunked, rtol=1e-5) and torch.equal(correct, chunked_correct)
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(grads, chunked_grads))
