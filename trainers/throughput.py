@@ -4,7 +4,7 @@ The first optimizer step of a run pays for what later steps reuse: compiling fle
 the allocator's first requests, CUDA's lazy initialisation. A rate over the whole loop (the Trainer's
 `train_runtime`) counts that cost, which a run of minutes does not amortise, and every evaluation and checkpoint
 save on top. The callback times the steps after the first `warmup_steps` on device-synchronised clocks
-(`dflash_hf.runtime.clock`), pausing from the end of a step that evaluates, saves or stops to the start of the next,
+(`dflash_hf.runtime.clock`), pausing from the end of a step or epoch that evaluates, saves or stops to the next step,
 and counts the anchor-blocks and rows trained meanwhile, so a short run measures what a long one sustains. Its clock
 waits for the device only where a timed stretch begins or ends.
 """
@@ -60,6 +60,10 @@ class ThroughputCallback(TrainerCallback):
                 if not _pauses(control):
                     self._open = self._mark(args.device)
         elif self._open is not None and _pauses(control):
+            self._close(args.device)
+
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        if self._open is not None and _pauses(control):  # an epoch's evaluation or save comes next
             self._close(args.device)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):

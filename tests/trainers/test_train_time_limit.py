@@ -173,6 +173,20 @@ def test_the_warm_rate_leaves_out_the_first_step_evaluations_and_saves():
         "anchor_blocks_per_second_warm": 10.0,
         "samples_per_second_warm": 2.0,
     }
+    # an epoch's evaluation (`eval_strategy="epoch"`): the stretch closes at the epoch's end, opens at the next step
+    times = iter([20.0, 22.0, 30.0, 31.0])  # steps 2-3 end at 22 s, the evaluation lasts until 30 s
+    state, control = TrainerState(max_steps=4), TrainerControl()
+    callback.on_train_begin(args, state, control)
+    for step, evaluates in ((1, False), (2, False), (3, True), (4, False)):
+        callback.on_step_begin(args, state, control)
+        trained["blocks"] += 10
+        state.global_step, control.should_save, control.should_training_stop = step, False, step == 4
+        callback.on_step_end(args, state, control)
+        control.should_evaluate = evaluates
+        callback.on_epoch_end(args, state, control)
+        control.should_evaluate = False
+    callback.on_train_end(args, state, control)
+    assert callback.warm_rates(lambda total: total)["anchor_blocks_per_second_warm"] == 10.0  # 3 steps, 3 s
     with pytest.raises(ValueError, match="warmup_steps must be >= 1"):
         ThroughputCallback(lambda: (trained["blocks"], 0), warmup_steps=0)
 
