@@ -7,7 +7,6 @@ import os
 import platform
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -167,8 +166,9 @@ def mkl_mode() -> str:
 # graphs one compiled call may hold: every width, batch size and mask kind compiles once, and Transformers' models
 # share the wrapper functions dynamo counts them on (its default limit, 8, would send later shapes to eager)
 COMPILED_SHAPES = 64
-# the compiled calls of modules, one per module: its last `CompileConfig` and the call compiled with it
-_COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[CompileConfig, Callable]]" = weakref.WeakKeyDictionary()
+# where a module keeps its compiled call: its last `CompileConfig` and the call compiled with it (on the module, as
+# Transformers keeps `_compiled_call`: the call holds the module, so a table keyed by modules would keep them alive)
+_COMPILED_ATTRIBUTE = "_dflash_compiled_call"
 _COMPILED_LOCK = threading.Lock()
 
 
@@ -180,8 +180,8 @@ def compiled_call(module: torch.nn.Module, compile_config: CompileConfig) -> Cal
     with _COMPILED_LOCK:
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, COMPILED_SHAPES)
-        held = _COMPILED.get(module)
+        held = getattr(module, _COMPILED_ATTRIBUTE, None)
         if held is None or held[0] != compile_config:
             held = (compile_config, torch.compile(module.__call__, **compile_config.to_dict()))
-            _COMPILED[module] = held
+            setattr(module, _COMPILED_ATTRIBUTE, held)
     return held[1]

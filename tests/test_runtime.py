@@ -3,6 +3,8 @@ compiled call per module and config, and dynamo's recompile limit raised for the
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import torch
@@ -43,3 +45,26 @@ def test_a_compiled_call_is_kept_per_module_and_config_and_the_recompile_limit_o
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 4 * COMPILED_SHAPES)  # a caller's higher limit stays
     compiled_call(_Affine(), config)
     assert torch._dynamo.config.recompile_limit == 4 * COMPILED_SHAPES
+
+
+def test_a_compiled_module_is_freed_with_its_last_reference():
+    """In a fresh interpreter: what other compiles in this process left in dynamo's own caches is not the call's."""
+    script = """
+import gc, weakref, torch
+from transformers import CompileConfig
+from dflash_hf.runtime import compiled_call
+
+class Affine(torch.nn.Module):
+    def forward(self, x):
+        return x * 2 + 1
+
+module = Affine()
+compiled_call(module, CompileConfig(backend="eager", mode=None, fullgraph=True))(torch.ones(2))
+gone = weakref.ref(module)
+del module
+gc.collect()
+print("freed" if gone() is None else "alive")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "freed"
