@@ -32,19 +32,19 @@ class _Affine(torch.nn.Module):
         return x * 2 + 1
 
 
-def test_a_compiled_call_is_kept_per_module_and_config_and_the_recompile_limit_only_rises(monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    module = _Affine()
+def test_a_compiled_call_is_kept_per_module_and_config_and_the_recompile_limit_only_rises():
     config = CompileConfig(backend="eager", mode=None, fullgraph=True)
-    call = compiled_call(module, config)
-    assert torch._dynamo.config.recompile_limit == COMPILED_SHAPES  # for the process: no per-call patch to undo
-    assert compiled_call(module, CompileConfig(backend="eager", mode=None, fullgraph=True)) is call  # equal config
-    assert compiled_call(module, CompileConfig(backend="eager", mode=None, fullgraph=False)) is not call
-    inputs = torch.ones(4, 3)
-    assert torch.equal(call(inputs), module(inputs))
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 4 * COMPILED_SHAPES)  # a caller's higher limit stays
-    compiled_call(_Affine(), config)
-    assert torch._dynamo.config.recompile_limit == 4 * COMPILED_SHAPES
+    with torch._dynamo.config.patch(recompile_limit=8):  # dynamo's own patch: its config is no plain module
+        module = _Affine()
+        call = compiled_call(module, config)
+        assert torch._dynamo.config.recompile_limit == COMPILED_SHAPES  # for the process: no per-call patch to undo
+        assert compiled_call(module, CompileConfig(backend="eager", mode=None, fullgraph=True)) is call  # equal config
+        assert compiled_call(module, CompileConfig(backend="eager", mode=None, fullgraph=False)) is not call
+        inputs = torch.ones(4, 3)
+        assert torch.equal(call(inputs), module(inputs))
+    with torch._dynamo.config.patch(recompile_limit=4 * COMPILED_SHAPES):  # a caller's higher limit stays
+        compiled_call(_Affine(), config)
+        assert torch._dynamo.config.recompile_limit == 4 * COMPILED_SHAPES
 
 
 def test_a_compiled_module_is_freed_with_its_last_reference():
