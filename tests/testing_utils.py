@@ -298,6 +298,16 @@ def run_make_data(target, tokenizer, folder: Path, source: Path | str, **setting
     return make_data(target, tokenizer, folder, source=str(source), **settings)
 
 
+# every way the loss is made, by name (the tests of the loss's host reads and of its chunks run each)
+LOSS_OPTIONS = {
+    "exp-decay": {},
+    "dpace": dict(loss_weighting="dpace"),
+    "distill-tv": dict(distill_weight=0.3, tv_weight=0.2),
+    "target-labels-draft-vocab": dict(hard_labels="target", draft_vocab_size=12),
+    "markov-head": dict(markov_rank=4, markov_loss_weight=0.5),
+}
+
+
 def tiny_train_config(output_dir, **overrides):
     """`DFlashTrainingConfig` of a tiny CPU run (B=4, 2 draft layers, 2 taps, 8 anchors), with `overrides`."""
     from dflash_hf.trainers import DFlashTrainingConfig

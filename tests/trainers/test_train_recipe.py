@@ -12,7 +12,15 @@ from dflash_hf.trainers import DFlashDataCollator, DFlashTrainer, DFlashTraining
 from dflash_hf.trainers.initialisation import initialise_from_target
 from dflash_hf.trainers.masks import valid_anchor_positions
 from dflash_hf.trainers.optimizers import MuonWithAdamW, newton_schulz_float32_pays, orthogonalise_in_float32
-from testing_utils import REPO, fixed_batch, make_tiny_target, run_make_data, tiny_train_config, write_prompts
+from testing_utils import (
+    LOSS_OPTIONS,
+    REPO,
+    fixed_batch,
+    make_tiny_target,
+    run_make_data,
+    tiny_train_config,
+    write_prompts,
+)
 
 from dflash_hf.data.features import OfflineFeatureDataset, cache_features
 from dflash_hf.data.make import load_training_data
@@ -487,15 +495,8 @@ def test_shipped_recipes_parse(recipe):
 
 @pytest.mark.parametrize(
     "settings",
-    [
-        dict(),
-        dict(loss_weighting="dpace"),
-        dict(distill_weight=0.3, tv_weight=0.2),
-        dict(hard_labels="target", draft_vocab_size=12),
-        dict(markov_rank=4, markov_loss_weight=0.5),
-        dict(markov_rank=4, markov_loss_weight=0.5, loss_weighting="dpace", distill_weight=0.5),
-    ],
-    ids=["exp-decay", "dpace", "distill-tv", "target-labels-draft-vocab", "markov-head", "markov-dpace-distill"],
+    [*LOSS_OPTIONS.values(), dict(markov_rank=4, markov_loss_weight=0.5, loss_weighting="dpace", distill_weight=0.5)],
+    ids=[*LOSS_OPTIONS, "markov-dpace-distill"],
 )
 def test_a_chunked_loss_is_the_whole_loss_with_a_chunk_of_logits_at_a_time(tiny_data, tmp_path, monkeypatch, settings):
     """`loss_chunk_size=5`: the same loss, gradients and accuracy statistics as every slot at once, and the LM head

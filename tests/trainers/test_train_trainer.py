@@ -13,7 +13,7 @@ from dflash_hf.trainers import (
 )
 from dflash_hf.trainers.masks import build_blocks
 from safetensors.torch import load_file
-from testing_utils import fixed_batch, host_reads, make_tiny_target, tiny_train_config
+from testing_utils import LOSS_OPTIONS, fixed_batch, host_reads, make_tiny_target, tiny_train_config
 
 from dflash_hf.data.features import OfflineFeatureDataset, cache_features, read_index
 
@@ -286,15 +286,8 @@ STEP_READS, PADDED_TARGET_FORWARD_READS = 2, 2
 
 @pytest.mark.parametrize(
     "settings",
-    [
-        dict(),
-        dict(loss_weighting="dpace"),
-        dict(distill_weight=0.3, tv_weight=0.2),
-        dict(hard_labels="target", draft_vocab_size=12),
-        dict(markov_rank=4, markov_loss_weight=0.5),
-        dict(loss_chunk_size=5, loss_weighting="dpace", distill_weight=0.5),
-    ],
-    ids=["exp-decay", "dpace", "distill-tv", "target-labels-draft-vocab", "markov-head", "chunked"],
+    [*LOSS_OPTIONS.values(), dict(loss_chunk_size=5, loss_weighting="dpace", distill_weight=0.5)],
+    ids=[*LOSS_OPTIONS, "chunked"],
 )
 def test_a_training_step_reads_the_device_twice(tiny_data, tmp_path, monkeypatch, settings):
     """Counted on the loss and its backward of one right-padded batch with online features."""
