@@ -118,7 +118,7 @@ class TimedForwards:
                 cache=draft_cache,
             )
             truncate_cache(draft_cache, start + known)
-            adapter.logits(out.last_hidden_state[:, 1:], draft_ids)
+            adapter.draft_logits(out.last_hidden_state[:, 1:], draft_ids)
 
         drafter_forward(2, tapped[:, :-2], 0)
 

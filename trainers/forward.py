@@ -49,15 +49,16 @@ def slot_logits(
     draft_token_ids: torch.Tensor | None = None,
     target_to_draft: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target LM head's logits `(n, V)` of the `n` labelled slots' hidden states `(n, H)`, and their labels `(n,)`.
+    """The draft logits `(n, V)` of the `n` labelled slots' hidden states `(n, H)` (the target's LM head with the drafter's
+    multiplier and softcap, `TargetAdapter.draft_logits`), and their labels `(n,)`.
 
     With a reduced draft vocabulary (`draft_token_ids`, on `hidden`'s device) the logits are over it and the labels
     are mapped to draft ids by `target_to_draft` (on `labels`' device): a label outside it becomes `-100`, a slot that
     cannot be drafted and counts as a miss.
     """
     if draft_token_ids is None:
-        return adapter.logits(hidden), labels
-    return adapter.logits(hidden, draft_token_ids), target_to_draft[labels]
+        return adapter.draft_logits(hidden), labels
+    return adapter.draft_logits(hidden, draft_token_ids), target_to_draft[labels]
 
 
 @torch.no_grad()

@@ -104,7 +104,7 @@ def measure_costs(
     if products:
         draft_ids = getattr(drafter, "draft_token_ids", None)
         draft_ids = None if draft_ids is None else draft_ids.to(target.device)
-        draft_logits = functools.partial(adapter.logits, token_ids=draft_ids)
+        draft_logits = functools.partial(adapter.draft_logits, token_ids=draft_ids)
         draft_calls["drafter_matmul"] = _matmul_calls(
             drafter, draft_logits, adapter.hidden_size, block_sizes, generator
         )

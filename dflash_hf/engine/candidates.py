@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.generation.configuration_utils import CompileConfig
 
+from ..modeling.modeling_dflash import key_positions
 from ..runtime import Stopwatch, compiled_call
 from ..target.adapter import TargetAdapter, TargetStep
 from .cache_ops import truncate_cache
@@ -207,18 +208,32 @@ class DFlashChain:
             if context.shape[1] == self.context_width and self.cache.layers[0].is_initialized:  # not the first call
                 call = compiled_call(self.drafter, self.compile_config)
             mask = self.static_mask(state, block, hidden)
+        position_ids = torch.cat([context_pos, block_pos], dim=1)
         out = call(
             noise_embeds=self.adapter.embed(noise_ids),
             context_hidden_states=context,
-            position_ids=torch.cat([context_pos, block_pos], dim=1),
+            position_ids=position_ids,
             attention_mask=mask,
             cache=self.cache,
+            **self.key_positions(state, position_ids, block),
         )
         truncate_cache(self.cache, state.mask.shape[1])
         hidden_states = out.last_hidden_state[:, 1:]
         if call is not self.drafter:  # a copy that a later replay of the drafter's CUDA graphs does not overwrite
             hidden_states = hidden_states.clone()
-        return self.adapter.logits(hidden_states, self.choice.draft_token_ids), hidden_states
+        return self.adapter.draft_logits(hidden_states, self.choice.draft_token_ids), hidden_states
+
+    def key_positions(self, state: ActiveRows, position_ids: torch.LongTensor, block: int) -> dict:
+        """For a drafter whose layers see less than every key (sliding windows, causal blocks): the positions of the
+        keys its layers attend over, the cached context (right-aligned) directly before the new context, then the
+        block and a static cache's unfilled end. Known here on the host, so that a compiled forward never reads its
+        static cache's filled length."""
+        if not self.drafter.config.restricts_attention:
+            return {}
+        cached = state.mask.shape[1] - state.pending_pos.shape[1]
+        keys = self.cache.layers[0].max_cache_len if self.compile_config is not None else 0
+        keys = max(keys, cached + position_ids.shape[1])
+        return {"key_position_ids": key_positions(position_ids, cached, keys, None)}
 
     def static_mask(self, state: ActiveRows, block: int, hidden: int) -> torch.Tensor:
         """The drafter's 4-D boolean mask over its static cache: the cached and pending context as the rows' padding

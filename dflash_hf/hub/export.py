@@ -85,12 +85,14 @@ def _target_model(target: PreTrainedModel | PreTrainedConfig | str | os.PathLike
     return AutoModelForCausalLM.from_pretrained(path, dtype="auto")
 
 
-def _check_pairing(drafter: DFlashDraftModel, target: Any, text_config: PreTrainedConfig) -> None:
-    """Raise a `ValueError` unless `drafter` was built for the target (sizes, vocabulary, tapped layers)."""
+def _check_pairing(drafter: DFlashDraftModel, target: Any, text_config: PreTrainedConfig) -> PreTrainedModel:
+    """Raise a `ValueError` unless `drafter` was built for the target (sizes, vocabulary, tapped layers); returns the
+    target model (built on the meta device where only its config was given)."""
     if not isinstance(target, PreTrainedModel):
         with torch.device("meta"):  # shapes only: no memory, no weights
             target = AutoModelForCausalLM.from_config(text_config)
     TargetAdapter.for_drafter(target, drafter)
+    return target
 
 
 def _target_license(target_name: str, base_model: str) -> dict[str, str]:
@@ -118,7 +120,12 @@ def _write_speculators_folder(
 
 
 def _write_folder(
-    drafter: DFlashDraftModel, folder: Path, format: str, card: str, max_shard_size: int | str | None
+    drafter: DFlashDraftModel,
+    folder: Path,
+    format: str,
+    card: str,
+    max_shard_size: int | str | None,
+    target: PreTrainedModel,
 ) -> None:
     """Write the dflash-hf or official layout into the (empty, staging) `folder`."""
     drafter.save_pretrained(folder, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
@@ -129,7 +136,7 @@ def _write_folder(
         shutil.copy(source, folder / name)
     config_path = folder / "config.json"
     if format == "official":
-        config = to_official_config(drafter.config)
+        config = to_official_config(drafter.config, target)
     else:
         config = json.loads(config_path.read_text(encoding="utf-8"))
         config.update(architectures=["DFlashDraftModel"], auto_map=dict(DFLASH_HF_AUTO_MAP))
@@ -245,7 +252,7 @@ def export(
     text_config = target_config.get_text_config(decoder=True)
     if format == "speculators":
         target = _target_model(target)
-    _check_pairing(drafter, target, text_config)
+    paired = _check_pairing(drafter, target, text_config)
     if format == "speculators":
         check_speculators_target(drafter.config, target)
     base_model = _base_model(base_model, target_name)
@@ -267,7 +274,7 @@ def export(
         if format == "speculators":
             _write_speculators_folder(drafter, target, base_model, staging, card)
         else:
-            _write_folder(drafter, staging, format, card, max_shard_size)
+            _write_folder(drafter, staging, format, card, max_shard_size, paired)
 
     _write_atomically(out_dir, overwrite, write)
     return out_dir

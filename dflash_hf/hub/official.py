@@ -21,9 +21,12 @@ from typing import Any
 
 import transformers
 
+from transformers import PreTrainedModel
+
 from ..drafters import DRAFT_LAYER_SIZES
 from ..modeling import DFlashConfig
 from ..modeling.configuration_dflash import markov_head_type
+from ..target.support import input_embedding_scale
 
 OFFICIAL_MODEL_TYPE = "qwen3"
 OFFICIAL_ARCHITECTURE = "DFlashDraftModel"
@@ -45,12 +48,16 @@ DRAFT_LAYER_KEYS = (
 _SHARED_KEYS = ("vocab_size", *DRAFT_LAYER_KEYS)
 
 
-def to_official_config(config: DFlashConfig) -> dict[str, Any]:
-    """Return the official config dict of a drafter configured by `config`.
+def to_official_config(config: DFlashConfig, target: PreTrainedModel | None = None) -> dict[str, Any]:
+    """Return the official config dict of a drafter configured by `config`, for `target`.
 
     `rope_parameters` is written for Transformers v5 readers together with `rope_theta`/`rope_scaling` for readers on
     Transformers 4.x (which would otherwise fall back to a default RoPE base silently). `block_size` is written both at
-    the top level (older readers) and inside `dflash_config` (newer readers).
+    the top level (older readers) and inside `dflash_config` (newer readers). The draft layers' `layer_types`,
+    `sliding_window` (with `use_sliding_window`, which a Qwen3 config needs to keep it) and `is_causal` go to the top
+    level; `input_embedding_scale`, `output_multiplier` and `final_logit_softcapping` into `dflash_config`, as the
+    values this drafter runs with: where it follows `target` (the target's scaled embedding, its softcap) they are
+    the target's, which readers of the official layout do not apply on their own.
     """
     missing = [name for name in ("vocab_size", "mask_token_id", "target_layer_ids") if getattr(config, name) is None]
     if missing:
@@ -78,6 +85,8 @@ def to_official_config(config: DFlashConfig) -> dict[str, Any]:
         "dtype": config.to_dict().get("dtype"),
         "transformers_version": transformers.__version__,
     }
+    official.update(_draft_layer_layout(config))
+    official["dflash_config"].update(_draft_scales(config, target))
     if config.num_target_layers is not None:
         official["num_target_layers"] = int(config.num_target_layers)
     if config.draft_vocab_size is not None:  # with the `d2t` tensor, as EAGLE-3-style readers expect
@@ -86,6 +95,37 @@ def to_official_config(config: DFlashConfig) -> dict[str, Any]:
         official["dflash_config"].update(markov_rank=int(config.markov_rank), markov_head_type=markov_head_type(config))
         official["sample_from_anchor"] = False
     return official
+
+
+def _draft_layer_layout(config: DFlashConfig) -> dict[str, Any]:
+    """The draft layers' attention types, window and causality, as a Qwen3 config reads them back."""
+    layout: dict[str, Any] = {
+        "layer_types": list(config.layer_types),
+        "use_sliding_window": config.sliding_window is not None,
+        "sliding_window": config.sliding_window,
+        "max_window_layers": 0,
+    }
+    if config.is_causal is not None:
+        layout["is_causal"] = bool(config.is_causal)
+    return layout
+
+
+def _draft_scales(config: DFlashConfig, target: PreTrainedModel | None) -> dict[str, float]:
+    """The `dflash_config` scales this drafter runs with (the official readers' defaults left out)."""
+    scales: dict[str, float] = {}
+    embedding = config.input_embedding_scale
+    if embedding is None and target is not None:
+        embedding = input_embedding_scale(target)
+    if embedding is not None and float(embedding) != 1.0:
+        scales["input_embedding_scale"] = float(embedding)
+    if float(config.output_multiplier) != 1.0:
+        scales["output_multiplier"] = float(config.output_multiplier)
+    softcap = config.final_logit_softcapping
+    if softcap is None and target is not None:
+        softcap = getattr(target.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+    if softcap:
+        scales["final_logit_softcapping"] = float(softcap)
+    return scales
 
 
 __all__ = [

@@ -121,6 +121,10 @@ def engine_kernels(target: PreTrainedModel) -> Iterator[None]:
             target.set_output_embeddings(head)
 
 
+def _softcapped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+
 @dataclass
 class TargetStep:
     """Result of one target forward: final normed hidden states and the concatenated tapped layer outputs."""
@@ -135,7 +139,9 @@ class TargetAdapter:
     def __init__(
         self, target: PreTrainedModel, target_layer_ids: list[int], built_for: PreTrainedConfig | None = None
     ) -> None:
-        """`built_for`: the drafter's config, checked against the target before its layer ids are."""
+        """`built_for`: the drafter's config, checked against the target before its layer ids are; its
+        `input_embedding_scale`, `output_multiplier` and `final_logit_softcapping` decide how the block is embedded
+        ([`embed`]) and how draft logits are made ([`draft_logits`])."""
         check_supported(target)
         config = target.config
         if built_for is not None:
@@ -147,6 +153,10 @@ class TargetAdapter:
         self.lm_head: nn.Linear = target.get_output_embeddings()
         self.embed_tokens: nn.Module = target.get_input_embeddings()
         self.softcap: float | None = getattr(config, "final_logit_softcapping", None)
+        self.block_embedding_scale: float | None = getattr(built_for, "input_embedding_scale", None)
+        self.draft_multiplier = float(getattr(built_for, "output_multiplier", None) or 1.0)
+        draft_softcap = getattr(built_for, "final_logit_softcapping", None)
+        self.draft_softcap: float | None = self.softcap if draft_softcap is None else (float(draft_softcap) or None)
         num_layers = len(self.layers)
         for layer_id in target_layer_ids:
             if not 0 <= layer_id < num_layers:
@@ -203,25 +213,36 @@ class TargetAdapter:
             )
 
     def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
-        """Embed ids with the target's input embedding (Gemma's sqrt(H) scaling included)."""
-        return self.embed_tokens(input_ids)
+        """Embed a drafter's block ids: with the target's input embedding module (Gemma's sqrt(H) scaling included),
+        or, for a drafter with an `input_embedding_scale`, the raw embedding table times that scale."""
+        if self.block_embedding_scale is None:
+            return self.embed_tokens(input_ids)
+        return nn.functional.embedding(input_ids, self.embed_tokens.weight) * self.block_embedding_scale
 
     def logits(self, hidden_states: torch.Tensor, token_ids: torch.LongTensor | None = None) -> torch.Tensor:
-        """Project final hidden states with the target's LM head (+ softcapping) in float32.
+        """Project final hidden states with the target's LM head (+ softcapping) in float32: the target's logits.
 
         With `token_ids`, only those rows of the head are computed (a reduced draft vocabulary): the last dimension
         then indexes `token_ids`.
         """
+        return _softcapped(self._head(hidden_states, token_ids), self.softcap)
+
+    def draft_logits(self, hidden_states: torch.Tensor, token_ids: torch.LongTensor | None = None) -> torch.Tensor:
+        """A drafter's logits of its final hidden states: the target's LM head (rows `token_ids` where given) in
+        float32, times the drafter's `output_multiplier`, softcapped by its `final_logit_softcapping` (by default
+        the target's own)."""
+        logits = self._head(hidden_states, token_ids)
+        if self.draft_multiplier != 1.0:
+            logits = logits * self.draft_multiplier
+        return _softcapped(logits, self.draft_softcap)
+
+    def _head(self, hidden_states: torch.Tensor, token_ids: torch.LongTensor | None) -> torch.Tensor:
         hidden_states = hidden_states.to(self.lm_head.weight.dtype)
         if token_ids is None and row_exact.head_is_hooked(self.lm_head):
-            logits = self.lm_head(hidden_states).float()  # row by row inside a row-exact verification
-        else:
-            weight = self.lm_head.weight if token_ids is None else self._head_rows(token_ids)
-            bias = self.lm_head.bias if token_ids is None else None
-            logits = head_projection(hidden_states, weight, bias).float()
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+            return self.lm_head(hidden_states).float()  # row by row inside a row-exact verification
+        weight = self.lm_head.weight if token_ids is None else self._head_rows(token_ids)
+        bias = self.lm_head.bias if token_ids is None else None
+        return head_projection(hidden_states, weight, bias).float()
 
     def _head_rows(self, token_ids: torch.LongTensor) -> torch.Tensor:
         """Rows `token_ids` of the (frozen) LM head, gathered once per vocabulary and kept contiguous."""

@@ -56,6 +56,18 @@ def check_built_for(drafter_config: PreTrainedConfig, target: PreTrainedModel) -
     )
 
 
+def input_embedding_scale(target: PreTrainedModel) -> float | None:
+    """The factor by which `target`'s input embedding module multiplies rows of its table (Gemma's scaled embedding:
+    `sqrt(hidden_size)`), `None` for a plain table. A target built on the meta device (shapes only) holds no value:
+    the scaled embeddings of Transformers all scale by `sqrt(hidden_size)`."""
+    scale = getattr(target.get_input_embeddings(), "embed_scale", None)
+    if scale is None:
+        return None
+    if getattr(scale, "is_meta", False):
+        return float(target.config.get_text_config(decoder=True).hidden_size) ** 0.5
+    return float(scale)
+
+
 def check_target_config(folder: str | os.PathLike) -> None:
     """Raise a `ValueError` naming the file when a local target folder's `config.json` is no readable JSON (one
     nested too deeply would be a `RecursionError` inside Transformers' reader)."""

@@ -7,7 +7,9 @@ file, ``torch``), never ``dflash_hf``.
 from __future__ import annotations
 
 import json
+import math
 import os
+import warnings
 from typing import Any
 
 from transformers.configuration_utils import PreTrainedConfig
@@ -89,12 +91,46 @@ _OFFICIAL_ONLY_KEYS = (
     "model_type",
     "auto_map",
     "dflash_config",
-    "layer_types",
     "use_sliding_window",
-    "sliding_window",
     "max_window_layers",
     "use_cache",
     "sample_from_anchor",
+)
+
+# Attention types of a draft layer (the official layout's `layer_types`).
+DRAFT_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+# DFlash knobs of the official layout, read from `dflash_config` first, then the top level (the reference's rule).
+OFFICIAL_DFLASH_KEYS = (
+    "block_size",
+    "mask_token_id",
+    "target_layer_ids",
+    "input_embedding_scale",
+    "output_multiplier",
+    "final_logit_softcapping",
+    "markov_rank",
+    "markov_head_type",
+)
+# Keys of DFlash 2 drafters (`architectures: ["DFlash2DraftModel"]`).
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# Top-level keys of an official config that are plain Qwen3 / `PreTrainedConfig` bookkeeping, read or ignored without
+# a word (everything else unknown is a warning naming it).
+_OFFICIAL_BOOKKEEPING_KEYS = (
+    "architectures",
+    "rope_theta",
+    "rope_scaling",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "tie_word_embeddings",
+    "num_target_layers",
+    "target_hidden_size",
+    "layer_types",
+    "sliding_window",
+    "is_causal",
 )
 
 # `markov_head_type` of DeepSpec / speculators / llama.cpp configs -> `DFlashConfig.markov_gated`.
@@ -106,9 +142,51 @@ def _is_official_config_dict(config_dict: dict) -> bool:
     return "dflash_config" in config_dict or "DFlashDraftModel" in (config_dict.get("architectures") or [])
 
 
+def _official_value(config_dict: dict, name: str, default: Any = None) -> Any:
+    """An official config's DFlash knob: from `dflash_config` first, then the top level (the reference's rule)."""
+    dflash = config_dict.get("dflash_config") or {}
+    if isinstance(dflash, dict) and name in dflash:
+        return dflash[name]
+    return config_dict.get(name, default)
+
+
+def _warn_unknown_official_keys(config_dict: dict) -> None:
+    """A warning naming every DFlash key of an official config that this package does not read."""
+    dflash = config_dict.get("dflash_config") or {}
+    known = set(OFFICIAL_DFLASH_KEYS)
+    unknown = sorted(f"dflash_config.{key}" for key in dflash if key not in known)
+    fields = set(DFlashConfig.__annotations__) | set(PreTrainedConfig.__annotations__)
+    top_known = fields | set(_OFFICIAL_ONLY_KEYS) | set(_OFFICIAL_BOOKKEEPING_KEYS) | known
+    unknown += sorted(key for key in config_dict if key not in top_known and not key.startswith("_"))
+    if unknown:
+        warnings.warn(
+            f"This official DFlash config has keys dflash-hf does not read: {', '.join(unknown)}. The drafter is "
+            "loaded without them; if it was trained with them, it will draft differently than it was trained.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def _config_dict_from_official(config_dict: dict) -> dict:
-    """Map an official DFlash config dict onto `DFlashConfig` keys (`dflash_config.*` and `block_size` lifted)."""
-    dflash = dict(config_dict.get("dflash_config") or {})
+    """Map an official DFlash config dict onto `DFlashConfig` keys (`dflash_config.*` and `block_size` lifted).
+
+    The official layout's defaults where a knob is absent are the reference's: the noise embeddings come from the
+    target's raw embedding table (`input_embedding_scale` 1.0), the draft logits are neither scaled nor softcapped
+    (`output_multiplier` 1.0, `final_logit_softcapping` 0), and a draft layer's causality follows the rule of
+    [`DFlashConfig.layer_is_causal`].
+    """
+    if "DFlash2DraftModel" in (config_dict.get("architectures") or []):
+        raise ValueError(
+            "This is a DFlash 2 drafter (`architectures: [\"DFlash2DraftModel\"]`: dynamic convolutions and a "
+            "candidate selector), which dflash-hf does not run yet: its drafts would not be the ones it was trained "
+            "to make. Serve it with an engine that runs DFlash 2 (vLLM, SGLang, llama.cpp) or z-lab's `dflash` "
+            "package."
+        )
+    dflash = config_dict.get("dflash_config") or {}
+    if not isinstance(dflash, dict):
+        raise ValueError(f"`dflash_config` must be a mapping of DFlash settings, got {type(dflash).__name__}.")
+    _warn_unknown_official_keys(config_dict)
+    dflash = dict(dflash)
     if dflash.get("target_layer_ids") is None:
         raise ValueError(
             "This official-format DFlash config has no `dflash_config.target_layer_ids`. They decide which target "
@@ -131,12 +209,36 @@ def _config_dict_from_official(config_dict: dict) -> dict:
     values = {key: value for key, value in config_dict.items() if key not in _OFFICIAL_ONLY_KEYS}
     values.update(
         target_layer_ids=list(dflash["target_layer_ids"]),
-        mask_token_id=dflash.get("mask_token_id", config_dict.get("mask_token_id")),
+        mask_token_id=_official_value(config_dict, "mask_token_id"),
         block_size=int(block_size),
+        input_embedding_scale=_official_value(config_dict, "input_embedding_scale", 1.0),
+        output_multiplier=_official_value(config_dict, "output_multiplier", 1.0),
+        final_logit_softcapping=_official_value(config_dict, "final_logit_softcapping", None) or 0.0,
     )
-    if dflash.get("markov_rank"):
-        values.update(markov_fields(int(dflash["markov_rank"]), dflash.get("markov_head_type", "vanilla")))
+    if _official_value(config_dict, "markov_rank"):
+        values.update(
+            markov_fields(
+                int(_official_value(config_dict, "markov_rank")),
+                _official_value(config_dict, "markov_head_type", "vanilla"),
+            )
+        )
+    values.update(_official_layer_types(config_dict))
     return values
+
+
+def _official_layer_types(config_dict: dict) -> dict:
+    """`layer_types`, `sliding_window` and `is_causal` of an official config, read as its Qwen3 config reads them: the
+    window only where `use_sliding_window` is true (default 4096), sliding layers from `max_window_layers` on
+    (default 28) where `layer_types` is absent."""
+    window = config_dict.get("sliding_window", 4096) if config_dict.get("use_sliding_window", False) else None
+    layer_types = config_dict.get("layer_types")
+    if layer_types is None:
+        first_sliding = config_dict.get("max_window_layers", 28)
+        layer_types = [
+            "sliding_attention" if window is not None and i >= first_sliding else "full_attention"
+            for i in range(int(config_dict.get("num_hidden_layers", 0) or 0))
+        ]
+    return {"layer_types": layer_types, "sliding_window": window, "is_causal": config_dict.get("is_causal")}
 
 
 def markov_fields(markov_rank: int, markov_head_type: str) -> dict:
@@ -203,6 +305,20 @@ class DFlashConfig(PreTrainedConfig):
         markov_gated (`bool`): The gated variant of the head (DSpark's `markov_head_type: "gated"`): the correction is
             `W2 @ (g * W1[token_{k-1}])` with `g = sigmoid(gate_proj([h_k; W1[token_{k-1}]]))` from the slot's final
             hidden state `h_k` (`markov_head.gate_proj`, `(r, hidden_size + r)` plus a bias). Needs `markov_rank > 0`.
+        layer_types (`list[str]`, *optional*): Each draft layer's attention, `"full_attention"` (every context
+            position) or `"sliding_attention"` (the last `sliding_window` positions); defaults to all full.
+        sliding_window (`int`, *optional*): The window `W` of the sliding layers: block slot `i` sees the last
+            `W - 1 - i` context positions (and the block). `None`: sliding layers see the whole context.
+        is_causal (`bool`, *optional*): Whether block slot `i` sees only the slots `<= i` of its block, in every layer.
+            `None` (the official layout's default): a sliding layer is causal inside the block, a full one is not.
+        input_embedding_scale (`float`, *optional*): The block's embeddings are the target's raw embedding table times
+            this (bypassing a scaled embedding module such as Gemma's). `None`: the target's own input embedding
+            module embeds the block.
+        output_multiplier (`float`): The draft logits (the target's LM head on the drafter's output) are multiplied by
+            this before softcapping.
+        final_logit_softcapping (`float`, *optional*): Softcap `c` of the draft logits, `tanh(x / c) * c` (0: none).
+            `None`: the target's own final-logit softcapping, where it has one. A Markov head's correction is added
+            after it.
     """
 
     model_type = "dflash"
@@ -229,6 +345,12 @@ class DFlashConfig(PreTrainedConfig):
     draft_vocab_size: int | None = None
     markov_rank: int = 0
     markov_gated: bool = False
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    is_causal: bool | None = None
+    input_embedding_scale: float | None = None
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
@@ -240,6 +362,8 @@ class DFlashConfig(PreTrainedConfig):
             self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
         if self.target_layer_ids is not None:
             self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.layer_types is None and isinstance(self.num_hidden_layers, int):
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
         super().__post_init__(**kwargs)
         self.validate_dflash()
 
@@ -297,6 +421,61 @@ class DFlashConfig(PreTrainedConfig):
                     f"mask_token_id {self.mask_token_id} is not a row of the target embedding "
                     f"(vocab_size {self.vocab_size})."
                 )
+        self._validate_layout()
+
+    def _validate_layout(self) -> None:
+        """The draft layers' attention types, window and causality, and the scales of the block and the logits."""
+        types = self.layer_types
+        if not isinstance(types, list) or len(types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types must list one attention type per draft layer ({self.num_hidden_layers}), got {types!r}: "
+                "fix config.json."
+            )
+        wrong = sorted({str(kind) for kind in types if kind not in DRAFT_LAYER_TYPES})
+        if wrong:
+            raise ValueError(f"layer_types holds {wrong}; a draft layer's attention is one of {list(DRAFT_LAYER_TYPES)}.")
+        window = self.sliding_window
+        if window is not None and (
+            isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= SIZE_LIMITS["max_position_embeddings"]
+        ):
+            raise ValueError(f"sliding_window must be a positive int (or null: no window), got {window!r}.")
+        if self.is_causal is not None and not isinstance(self.is_causal, bool):
+            raise ValueError(f"is_causal must be true, false or null, got {self.is_causal!r}.")
+        for name, lowest in (("input_embedding_scale", None), ("output_multiplier", None), ("final_logit_softcapping", 0)):
+            value = getattr(self, name)
+            if value is None and name != "output_multiplier":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}.")
+            if (lowest is None and value <= 0) or (lowest is not None and value < lowest):
+                kind = "positive" if lowest is None else "0 (no softcap) or positive"
+                raise ValueError(f"{name} must be {kind}, got {value!r}.")
+
+    def layer_is_causal(self, layer_idx: int) -> bool:
+        """Whether draft layer `layer_idx` is causal inside the block: `is_causal` when set, else a sliding layer is
+        and a full one is not (the official layout's rule)."""
+        if self.is_causal is not None:
+            return bool(self.is_causal)
+        return self.layer_types[layer_idx] == "sliding_attention"
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The attention window of draft layer `layer_idx`, `None` for a full-attention layer (or no window)."""
+        return self.sliding_window if self.layer_types[layer_idx] == "sliding_attention" else None
+
+    @property
+    def restricts_attention(self) -> bool:
+        """Whether some draft layer sees less than the whole context and block (a window, or causal in the block)."""
+        return any(
+            self.layer_window(i) is not None or self.layer_is_causal(i) for i in range(self.num_hidden_layers)
+        )
+
+    @property
+    def context_window(self) -> int | None:
+        """How many context positions the drafter ever attends to (`sliding_window - 1` when every layer slides within
+        a window), `None` when a layer sees the whole context."""
+        if self.sliding_window is None or any(kind != "sliding_attention" for kind in self.layer_types):
+            return None
+        return self.sliding_window - 1
 
     @classmethod
     def _dflash_config_dict(cls, config_dict: dict) -> dict:

@@ -182,8 +182,60 @@ def eager_attention_forward(
     return attn_output.transpose(1, 2).contiguous(), attn_weights
 
 
+def key_positions(
+    position_ids: torch.LongTensor, past_length: int, key_length: int, key_position_ids: torch.LongTensor | None
+) -> torch.LongTensor:
+    """Positions `(batch, key_length)` of the keys a layer attends over: `key_position_ids` when the caller gives them,
+    else the cached keys directly precede the new ones (`position_ids`: the new context and the block). A layer whose
+    cache keeps only a window holds fewer cached keys than `past_length`; keys past the new ones (a static cache's
+    unfilled end) get positions no query reaches (the padding mask hides them too)."""
+    if key_position_ids is not None:
+        if key_position_ids.shape[-1] != key_length:
+            raise ValueError(
+                f"key_position_ids covers {key_position_ids.shape[-1]} keys but the layer attends over {key_length}."
+            )
+        return key_position_ids
+    new = position_ids.shape[-1]
+    cached = max(0, min(past_length, key_length - new))
+    before = position_ids[:, :1] - cached + torch.arange(cached, device=position_ids.device)[None, :]
+    after = position_ids[:, -1:] + (1 << 30) + torch.arange(key_length - cached - new, device=position_ids.device)
+    return torch.cat([before, position_ids, after.expand(position_ids.shape[0], -1)], dim=1)
+
+
+def block_structure_mask(
+    query_positions: torch.LongTensor, key_positions: torch.LongTensor, window: int | None, causal: bool
+) -> torch.Tensor:
+    """Boolean `(batch, 1, queries, keys)`, True = attend: within `window` positions of the query (on both sides when
+    not `causal`) and, when `causal`, at or before it. Block slot `i` thus sees the last `window - 1 - i` context
+    positions."""
+    distance = query_positions[:, :, None] - key_positions[:, None, :]
+    visible = torch.ones_like(distance, dtype=torch.bool)
+    if causal:
+        visible &= distance >= 0
+    if window is not None:
+        visible &= distance < window
+        if not causal:
+            visible &= -distance < window
+    return visible[:, None]
+
+
+def _restrict_mask(attention_mask, structure: torch.Tensor):
+    """`attention_mask` (none, boolean or additive, 4-D) further restricted to `structure`."""
+    if attention_mask is None:
+        return structure
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+        raise ValueError(
+            "This drafter has sliding-window or block-causal layers, which need a 4-D mask (eager or sdpa attention) "
+            "or a mask per layer type (`attention_mask={'full_attention': ..., 'sliding_attention': ...}`)."
+        )
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & structure
+    return attention_mask.masked_fill(~structure, torch.finfo(attention_mask.dtype).min)
+
+
 class DFlashAttention(nn.Module):
-    """Attention with K/V injection: queries from the block, keys/values from `concat(context, block)`."""
+    """Attention with K/V injection: queries from the block, keys/values from `concat(context, block)`; a sliding or
+    block-causal layer (`config.layer_types`, `config.is_causal`) restricts what each block slot sees by position."""
 
     def __init__(self, config: DFlashConfig, layer_idx: int) -> None:
         super().__init__()
@@ -193,7 +245,10 @@ class DFlashAttention(nn.Module):
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
-        self.is_causal = False
+        self.is_causal = False  # the attention backends' flag: block-causality is a mask by position (`causal_in_block`)
+        self.layer_type = config.layer_types[layer_idx]
+        self.sliding_window = config.layer_window(layer_idx)
+        self.causal_in_block = config.layer_is_causal(layer_idx)
         self.q_proj = nn.Linear(
             config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias
         )
@@ -214,8 +269,11 @@ class DFlashAttention(nn.Module):
         hidden_states: torch.Tensor,
         context_hidden_states: torch.Tensor | None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | dict | None = None,
         cache: Cache | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_length: int = 0,
+        key_position_ids: torch.LongTensor | None = None,
         **kwargs: Unpack[FlashAttentionKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, q_len, _ = hidden_states.shape
@@ -233,6 +291,12 @@ class DFlashAttention(nn.Module):
 
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+        if isinstance(attention_mask, dict):  # a mask per layer type, built by the caller
+            attention_mask = attention_mask[self.layer_type]
+        elif self.sliding_window is not None or self.causal_in_block:
+            keys = key_positions(position_ids, past_length, key_states.shape[-2], key_position_ids)
+            structure = block_structure_mask(position_ids[:, -q_len:], keys, self.sliding_window, self.causal_in_block)
+            attention_mask = _restrict_mask(attention_mask, structure)
 
         attention_interface: Callable = eager_attention_forward
         if self.config._attn_implementation is not None:  # None: a module built outside `from_pretrained`, eager
@@ -627,6 +691,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         cache: Cache | None = None,
         use_cache: bool | None = None,
         previous_token_ids: torch.LongTensor | None = None,
+        key_position_ids: torch.LongTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> DFlashModelOutput:
         r"""
@@ -638,9 +703,11 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 Tapped target hidden states of the committed tokens not yet in the cache, concatenated on the last dim.
             position_ids (`torch.LongTensor` of shape `(batch, n_ctx + block)`, *optional*):
                 Absolute positions of the new context tokens followed by the block tokens.
-            attention_mask (`torch.Tensor`, *optional*):
+            attention_mask (`torch.Tensor` or `dict`, *optional*):
                 2D padding mask over all keys (`cached + n_ctx + block`), or a ready 4D mask (boolean, True = attend,
                 or additive) of shape `(batch, 1, block, keys)`, or a backend object such as a flex `BlockMask`.
+                Sliding-window and block-causal layers (`config.layer_types`, `config.is_causal`) restrict a 2D or 4D
+                mask further by position; a dict `{layer type: mask}` gives each layer type its finished mask.
             cache (`Cache`, *optional*):
                 Cache of context keys/values (stored rotated); also accepted as `past_key_values`, the name
                 Transformers 5.23's native DFlash path passes it by. The block's keys/values are appended too; the
@@ -648,6 +715,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             previous_token_ids (`torch.LongTensor` of shape `(batch, block)`, *optional*):
                 For a drafter with a Markov head: the token before each block slot (target ids); the output's
                 `markov_bias` is then the head's correction of every slot's logits (training feeds the true tokens).
+            key_position_ids (`torch.LongTensor` of shape `(batch, keys)`, *optional*):
+                Positions of every key the layers attend over, for sliding-window and block-causal layers when the
+                cached keys are not the positions right before the new context (default: they are).
             kwargs (`TransformersKwargs`, *optional*):
                 As for every Transformers model: `output_hidden_states` and `output_attentions` return the layers'
                 hidden states and attention weights, `return_dict=False` a tuple; the rest reaches the attention
@@ -692,6 +762,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 position_embeddings=position_embeddings,
                 attention_mask=mask,
                 cache=cache,
+                position_ids=position_ids,
+                past_length=past_len,
+                key_position_ids=key_position_ids,
                 **kwargs,
             )
         # computed in the drafter's dtype, returned in the caller's (the target's LM head takes it next)
