@@ -83,6 +83,8 @@ SIZE_LIMITS = {
     "num_target_layers": 1_024,
 }
 MAX_MARKOV_RANK = 8_192
+# Upper bounds of DFlash 2's sizes (the published drafters: kernel 2, groups of 16, rank 256, top-16).
+DFLASH2_LIMITS = {"conv_kernel_size": 64, "conv_group_size": 32_768, "selector_rank": 8_192, "selector_top_k": 1_024}
 _OPTIONAL_SIZES = ("vocab_size", "draft_vocab_size", "num_target_layers", "head_dim")
 
 
@@ -137,9 +139,16 @@ _OFFICIAL_BOOKKEEPING_KEYS = (
 MARKOV_HEAD_TYPES = {"vanilla": False, "gated": True}
 
 
+OFFICIAL_DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+
+
 def _is_official_config_dict(config_dict: dict) -> bool:
-    """Whether `config_dict` is an official DFlash config: a plain Qwen3-style config naming `DFlashDraftModel`."""
-    return "dflash_config" in config_dict or "DFlashDraftModel" in (config_dict.get("architectures") or [])
+    """Whether `config_dict` is an official DFlash config: a plain Qwen3-style config naming `DFlashDraftModel` or
+    `DFlash2DraftModel`."""
+    architectures = config_dict.get("architectures") or []
+    return "dflash_config" in config_dict or any(
+        name in architectures for name in ("DFlashDraftModel", OFFICIAL_DFLASH2_ARCHITECTURE)
+    )
 
 
 def _official_value(config_dict: dict, name: str, default: Any = None) -> Any:
@@ -153,7 +162,7 @@ def _official_value(config_dict: dict, name: str, default: Any = None) -> Any:
 def _warn_unknown_official_keys(config_dict: dict) -> None:
     """A warning naming every DFlash key of an official config that this package does not read."""
     dflash = config_dict.get("dflash_config") or {}
-    known = set(OFFICIAL_DFLASH_KEYS)
+    known = set(OFFICIAL_DFLASH_KEYS) | set(DFLASH2_KEYS)
     unknown = sorted(f"dflash_config.{key}" for key in dflash if key not in known)
     fields = set(DFlashConfig.__annotations__) | set(PreTrainedConfig.__annotations__)
     top_known = fields | set(_OFFICIAL_ONLY_KEYS) | set(_OFFICIAL_BOOKKEEPING_KEYS) | known
@@ -175,13 +184,6 @@ def _config_dict_from_official(config_dict: dict) -> dict:
     (`output_multiplier` 1.0, `final_logit_softcapping` 0), and a draft layer's causality follows the rule of
     [`DFlashConfig.layer_is_causal`].
     """
-    if "DFlash2DraftModel" in (config_dict.get("architectures") or []):
-        raise ValueError(
-            "This is a DFlash 2 drafter (`architectures: [\"DFlash2DraftModel\"]`: dynamic convolutions and a "
-            "candidate selector), which dflash-hf does not run yet: its drafts would not be the ones it was trained "
-            "to make. Serve it with an engine that runs DFlash 2 (vLLM, SGLang, llama.cpp) or z-lab's `dflash` "
-            "package."
-        )
     dflash = config_dict.get("dflash_config") or {}
     if not isinstance(dflash, dict):
         raise ValueError(f"`dflash_config` must be a mapping of DFlash settings, got {type(dflash).__name__}.")
@@ -223,6 +225,17 @@ def _config_dict_from_official(config_dict: dict) -> dict:
             )
         )
     values.update(_official_layer_types(config_dict))
+    if OFFICIAL_DFLASH2_ARCHITECTURE in (config_dict.get("architectures") or []):
+        missing = [key for key in DFLASH2_KEYS if _official_value(config_dict, key) is None]
+        if missing:
+            raise ValueError(
+                f"This DFlash 2 config (`architectures: [\"{OFFICIAL_DFLASH2_ARCHITECTURE}\"]`) has no {', '.join(missing)} "
+                "(in `dflash_config` or at the top level): add the values the drafter was trained with."
+            )
+        values.update({key: _official_value(config_dict, key) for key in DFLASH2_KEYS})
+    else:
+        for key in DFLASH2_KEYS:  # read only for DFlash 2 drafters (the reference's rule)
+            values.pop(key, None)
     return values
 
 
@@ -319,6 +332,15 @@ class DFlashConfig(PreTrainedConfig):
         final_logit_softcapping (`float`, *optional*): Softcap `c` of the draft logits, `tanh(x / c) * c` (0: none).
             `None`: the target's own final-logit softcapping, where it has one. A Markov head's correction is added
             after it.
+        conv_kernel_size (`int`, *optional*): DFlash 2 (set together with the three fields below, `None` for plain
+            DFlash): every draft layer wraps its attention and its MLP in a grouped dynamic causal convolution over the
+            block's positions with this many taps (`DFlash2Convolution`).
+        conv_group_size (`int`, *optional*): DFlash 2: channels per group of the convolutions' dynamic kernels (divides
+            `hidden_size`).
+        selector_rank (`int`, *optional*): DFlash 2: rank `r` of the candidate selector's codebooks and projection.
+        selector_top_k (`int`, *optional*): DFlash 2: candidates per slot the selector chooses among (the top of the
+            slot's draft logits), walking from the anchor with a predecessor/successor term
+            (`DFlash2CandidateSelector`).
     """
 
     model_type = "dflash"
@@ -351,6 +373,10 @@ class DFlashConfig(PreTrainedConfig):
     input_embedding_scale: float | None = None
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
@@ -422,6 +448,38 @@ class DFlashConfig(PreTrainedConfig):
                     f"(vocab_size {self.vocab_size})."
                 )
         self._validate_layout()
+        self._validate_dflash2()
+
+    @property
+    def is_dflash2(self) -> bool:
+        """Whether this is a DFlash 2 drafter (dynamic convolutions and a candidate selector)."""
+        return self.conv_kernel_size is not None
+
+    def _validate_dflash2(self) -> None:
+        """DFlash 2's four sizes: all set or none, within [`DFLASH2_LIMITS`], consistent with the drafter."""
+        values = {key: getattr(self, key) for key in DFLASH2_KEYS}
+        if all(value is None for value in values.values()):
+            return
+        missing = [key for key, value in values.items() if value is None]
+        if missing:
+            raise ValueError(f"A DFlash 2 drafter sets all of {', '.join(DFLASH2_KEYS)}; this config lacks {', '.join(missing)}.")
+        for key, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= DFLASH2_LIMITS[key]:
+                raise ValueError(f"{key} must be an int between 1 and {DFLASH2_LIMITS[key]:,}, got {value!r}.")
+        if self.hidden_size % self.conv_group_size:
+            raise ValueError(
+                f"conv_group_size {self.conv_group_size} does not divide hidden_size {self.hidden_size}: the "
+                "convolutions' channels are grouped evenly."
+            )
+        if self.vocab_size is None:
+            raise ValueError("A DFlash 2 selector embeds target tokens: set the target's vocab_size.")
+        candidates = int(self.draft_vocab_size or self.vocab_size)
+        if self.selector_top_k > candidates:
+            raise ValueError(
+                f"selector_top_k {self.selector_top_k} is more candidates than the draft vocabulary has ({candidates})."
+            )
+        if self.markov_rank:
+            raise ValueError("A DFlash 2 drafter has a candidate selector, not a Markov head: set markov_rank 0.")
 
     def _validate_layout(self) -> None:
         """The draft layers' attention types, window and causality, and the scales of the block and the logits."""
@@ -584,6 +642,7 @@ class DFlashConfig(PreTrainedConfig):
 
 
 __all__ = [
+    "DFLASH2_KEYS",
     "MARKOV_HEAD_TYPES",
     "DFlashConfig",
     "default_target_layer_ids",

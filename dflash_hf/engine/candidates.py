@@ -260,7 +260,7 @@ class DFlashChain:
                 probs = torch.empty(len(state.rows), 0, self.adapter.vocab_size, device=block_pos.device)
                 return Proposal(block, tokens, probs if self.choice.do_sample else None)
             draft_logits, hidden_states = self.slots(state, block, block_pos)
-            if self.choice.markov_head is None:
+            if not self.choice.drafts_in_order:
                 return Proposal(block, *self.choice.propose(draft_logits, state.rows))
             return Proposal(block, *self.choice.propose(draft_logits, state.rows, (state.anchors, hidden_states)))
 

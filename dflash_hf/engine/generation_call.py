@@ -115,11 +115,18 @@ class GenerationCall:
             draft_token_ids=None if draft_ids is None else draft_ids.to(self.device),
             markov_head=getattr(self.drafter, "markov_head", None),
             sequence=self.sequences.sequence,
+            selector=getattr(self.drafter, "candidate_selector", None),
+            temperature=float(generation_config.temperature or 1.0),
         )
         # trees (the lookup branch, the draft tree) need greedy verification and a processor that scores every node
         # alone; sampling verifies the DFlash block (the chain) alone
         tree_verify = not do_sample and (process.is_identity or process.prefix_free)
         self.plan = CandidatePlan(candidates, self.max_block, lookup_tokens, tree_verify)
+        if self.plan.source == "tree" and self.choice.selector is not None:
+            raise ValueError(
+                'candidates="tree" grows draft trees from each slot\'s own top tokens, and a DFlash 2 drafter chooses '
+                'its slots with its candidate selector: use candidates="dflash+lookup" (the default) or "dflash".'
+            )
         if self.compile_config is not None:
             self._take_static_caches()
         chain = DFlashChain(

@@ -2,7 +2,8 @@
 
 Greedy decoding takes the processed argmax; sampling draws from the processed distribution, and drafted slots are
 either each slot's argmax (a point-mass proposal) or a draw from the slot's own distribution (`sampling_proposal`).
-With a Markov head the slots are drafted one after another, each corrected for the token drafted before it.
+With a Markov head the slots are drafted one after another, each corrected for the token drafted before it; a DFlash
+2 drafter's candidate selector walks each slot's top candidates from the anchor the same way.
 Verification accepts the longest prefix equal to the target's argmax, or rejection-samples (`acceptance`).
 """
 
@@ -39,6 +40,8 @@ class TokenChoice:
         draft_token_ids: Target ids of a reduced draft vocabulary, or `None`.
         markov_head: The drafter's Markov head, or `None`.
         sequence: A row's tokens so far (prefix-dependent processors read them).
+        selector: A DFlash 2 drafter's candidate selector, or `None`.
+        temperature: The call's sampling temperature (a selector samples its candidates at it).
     """
 
     def __init__(
@@ -50,10 +53,18 @@ class TokenChoice:
         draft_token_ids: torch.LongTensor | None,
         markov_head: torch.nn.Module | None,
         sequence: Callable[[int], torch.LongTensor],
+        selector: torch.nn.Module | None = None,
+        temperature: float = 1.0,
     ) -> None:
         self.process, self.do_sample, self.sample_slots = process, do_sample, sample_slots
         self.vocab_size, self.draft_token_ids, self.markov_head = vocab_size, draft_token_ids, markov_head
-        self.sequence = sequence
+        self.sequence, self.selector, self.temperature = sequence, selector, float(temperature)
+
+    @property
+    def drafts_in_order(self) -> bool:
+        """Whether each slot's draft depends on the one before it (a Markov head or a candidate selector): the
+        slots' final hidden states and the anchors are then needed ([`propose`])."""
+        return self.markov_head is not None or self.selector is not None
 
     def first(self, logits: torch.Tensor, rows: list[int]) -> torch.LongTensor:
         """The token every row gets from the prefill's last logits (processed, then argmax or sampled)."""
@@ -74,8 +85,8 @@ class TokenChoice:
         distribution is a point mass on them: the rejection sampler then accepts `d` with probability `p(d)` and on
         rejection samples from `p` with `d` removed, which is exactly the target's distribution.
 
-        `markov_inputs` `(anchors, slot hidden states)`: the drafter has a Markov head, so the slots are drafted one
-        after another ([`draft_chain`]).
+        `markov_inputs` `(anchors, slot hidden states)`: the drafter has a Markov head or a candidate selector, so
+        the slots are drafted one after another ([`draft_chain`], [`draft_selected`]).
 
         A slot with non-finite logits (a diverged or overflowing drafter) proposes nothing: its logits are zeroed so
         that drafting stays well-defined, and (sampling) its proposal distribution is zero, which `rejection_sample`
@@ -84,6 +95,8 @@ class TokenChoice:
         draft_logits, finite = finite_slots(draft_logits)
         if markov_inputs is None:
             tokens, probs = self.draft_tokens(draft_logits, rows)
+        elif self.selector is not None:
+            tokens, probs = self.draft_selected(draft_logits, *markov_inputs)
         else:
             tokens, probs = self.draft_chain(draft_logits, rows, *markov_inputs)
         if self.do_sample and probs is None:
@@ -111,6 +124,35 @@ class TokenChoice:
             tokens[:, slot] = previous = token[:, 0]
             probs.append(prob)
         return tokens, None if probs[0] is None else torch.cat(probs, dim=1)
+
+    def draft_selected(self, draft_logits: torch.Tensor, anchors: torch.LongTensor, hidden_states: torch.Tensor) -> Drafts:
+        """DFlash 2: each slot's token among its top `selector_top_k` draft logits, walking from the anchor with the
+        selector's term for the token chosen before it. The `(slots, K, K)` lattice of those terms is scored at once
+        and the walk only gathers from it, on the device.
+
+        Greedy (and the `argmax` proposal): each slot's best candidate given the one before. Sampling: each slot's
+        candidate drawn from `q = softmax(scores / temperature)` over its `K` candidates, and `q` spread onto their
+        ids is the proposal distribution rejection sampling reads. The call's logits processors are not applied to
+        the drafts (any proposal keeps the output exact); they shape the target's distribution as always.
+        """
+        unary, index = draft_logits.float().topk(self.selector.top_k, dim=-1)
+        candidates = index if self.draft_token_ids is None else self.draft_token_ids[index]
+        lattice = self.selector.lattice(hidden_states, candidates, anchors).float()
+        batch, slots, width = unary.shape
+        chosen = torch.zeros(batch, 1, 1, dtype=torch.long, device=unary.device)  # slot 1: every row is the anchor
+        picks, probs = [], []
+        for slot in range(slots):
+            scores = unary[:, slot] + lattice[:, slot].gather(1, chosen.expand(-1, 1, width))[:, 0]
+            if self.sample_slots:
+                q = torch.softmax(scores / self.temperature, dim=-1)
+                pick = sample(q)
+                probs.append(q.new_zeros(batch, self.vocab_size).scatter_(-1, candidates[:, slot], q))
+            else:
+                pick = scores.argmax(dim=-1)
+            picks.append(pick)
+            chosen = pick[:, None, None]
+        tokens = candidates.gather(-1, torch.stack(picks, dim=1)[..., None])[..., 0]
+        return tokens, torch.stack(probs, dim=1) if probs else None
 
     def draft_tokens(
         self, draft_logits: torch.Tensor, rows: list[int], drafted: torch.LongTensor | None = None

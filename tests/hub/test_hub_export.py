@@ -137,7 +137,7 @@ def test_export_is_atomic(qwen_pair, tmp_path, monkeypatch):
     target, drafter = qwen_pair
     out = tmp_path / "d"
 
-    def interrupted(config):
+    def interrupted(config, target):
         raise KeyboardInterrupt  # after the weights and remote code were written into the staging folder
 
     monkeypatch.setattr(sys.modules["dflash_hf.hub.export"], "to_official_config", interrupted)

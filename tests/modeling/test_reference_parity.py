@@ -239,3 +239,78 @@ def test_compiled_sliding_drafter_drafts_as_the_reference(target, tmp_path, monk
         assert torch.equal(batched.sequences[0, -40:], compiled.sequences[0, -40:])
     finally:
         torch._dynamo.reset()
+
+
+DFLASH2 = {
+    "layer_types": ["sliding_attention"] * 3,
+    **SLIDING,
+    "is_causal": False,
+    "dflash_config": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4},
+}
+
+
+def reference_dflash2_drafter(folder, variant: dict = DFLASH2, seed: int = 3, codebook_std: float = 1.0):
+    """A random DFlash 2 drafter of the reference's classes, with a selector strong enough to leave the unary argmax,
+    saved as the published files are (codebooks without `.weight`)."""
+    from safetensors.torch import load_file, save_file
+
+    variant = dict(variant)
+    dflash_config = {"block_size": BLOCK, "mask_token_id": VOCAB - 1, "target_layer_ids": [1, 3]}
+    dflash_config.update(variant.pop("dflash_config", {}))
+    config = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, initializer_range=0.3, num_target_layers=6,
+        architectures=["DFlash2DraftModel"], dflash_config=dflash_config, **variant,
+    )
+    torch.manual_seed(seed)
+    model = reference.DFlash2DraftModel(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "base_kernel" in name or "kernel_projection" in name:
+                parameter.normal_(0.0, 0.3)
+            elif "codebook" in name or "hidden_projection" in name:
+                parameter.normal_(0.0, codebook_std)
+    model.save_pretrained(folder)
+    weights = load_file(f"{folder}/model.safetensors")
+    renamed = {name.removesuffix(".weight") if "codebook" in name else name: value for name, value in weights.items()}
+    save_file(renamed, f"{folder}/model.safetensors", metadata={"format": "pt"})
+    return model
+
+
+def record_selected_paths(monkeypatch) -> dict[str, list[torch.Tensor]]:
+    """Every DFlash 2 draft (the selector's path), as the reference and this package choose them."""
+    from dflash_hf.engine.token_choice import TokenChoice
+
+    seen: dict[str, list[torch.Tensor]] = {"reference": [], "ours": []}
+    select, draft_selected = reference.CandidateSelector.select, TokenChoice.draft_selected
+
+    def reference_select(self, *args):
+        out = select(self, *args)
+        seen["reference"].append(out[0].clone())
+        return out
+
+    def our_select(self, *args):
+        out = draft_selected(self, *args)
+        seen["ours"].append(out[0].clone())
+        return out
+
+    monkeypatch.setattr(reference.CandidateSelector, "select", reference_select)
+    monkeypatch.setattr(TokenChoice, "draft_selected", our_select)
+    return seen
+
+
+def test_dflash2_loads_from_published_files_and_drafts_as_the_reference(target, tmp_path, monkeypatch):
+    """A DFlash 2 folder (codebooks without `.weight`) loads through `AutoModel` with remote code's classes, drafts
+    the reference's logits and selector paths in every cycle, and the selector leaves the unary argmax."""
+    model = reference_dflash2_drafter(tmp_path)
+    drafter = DFlashDraftModel.from_pretrained(tmp_path, dtype=torch.float32)
+    assert drafter.config.is_dflash2 and drafter.candidate_selector.top_k == 4
+    seen, paths = record_draft_logits(monkeypatch), record_selected_paths(monkeypatch)
+    expected = reference.dflash_generate(model, target, PROMPT, 40, None, return_stats=True)
+    ours = run_ours(target, drafter, PROMPT)
+    assert_same_cycles(seen, expected, ours)
+    assert len(paths["reference"]) == len(paths["ours"])
+    for cycle, (want, got) in enumerate(zip(paths["reference"], paths["ours"])):
+        assert torch.equal(want, got), cycle
+    argmaxes = torch.cat([logits.argmax(-1) for logits in seen["ours"]], dim=1)
+    assert not torch.equal(torch.cat(paths["ours"], dim=1), argmaxes)  # the selector changed some choices

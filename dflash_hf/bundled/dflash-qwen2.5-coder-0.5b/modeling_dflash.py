@@ -332,8 +332,58 @@ class DFlashMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
+class DFlash2Convolution(nn.Module):
+    """DFlash 2's grouped dynamic causal convolution over the block's positions, around one sub-layer.
+
+    With `K` taps and channels in groups of `g`: `out[t, c] = sum_o (base[side, o, c] + D[t, side, o, c // g]) *
+    x[t - o, c]` (zero before the block's first slot), where `base` (`base_kernel`, `(2, K, H)`) is learned and `D`
+    is a bias-free projection (`kernel_projection`) of the sub-layer's normalised input: side 0 convolves that input
+    (`prepare`), side 1 the sub-layer's output (`finish`). It starts as the identity (tap 0 one, the rest and the
+    projection zero). The context is never convolved: it enters as keys and values only.
+    """
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.kernel_size, self.group_size = int(config.conv_kernel_size), int(config.conv_group_size)
+        groups = config.hidden_size // self.group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, self.kernel_size, config.hidden_size))
+        self.kernel_projection = DFlashZeroInitLinear(config.hidden_size, 2 * self.kernel_size * groups, bias=False)
+
+    def prepare(
+        self, hidden_states: torch.Tensor, block_size: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sub-layer's input convolved, and the dynamic kernels of its output (for [`finish`]). `block_size`:
+        the queries are consecutive blocks of this many slots (training), each convolved alone; `None`: one block."""
+        groups = hidden_states.shape[-1] // self.group_size
+        dynamic = self.kernel_projection(hidden_states).view(*hidden_states.shape[:-1], 2, self.kernel_size, groups)
+        before = self._convolve(hidden_states, dynamic[..., 0, :, :], self.base_kernel[0], block_size)
+        return before, dynamic[..., 1, :, :]
+
+    def finish(self, hidden_states: torch.Tensor, dynamic: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
+        """The sub-layer's output convolved with the kernels [`prepare`] made."""
+        return self._convolve(hidden_states, dynamic, self.base_kernel[1], block_size)
+
+    def _convolve(
+        self, hidden_states: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, block_size: int | None
+    ) -> torch.Tensor:
+        batch, length, width = hidden_states.shape
+        block = length if block_size is None else int(block_size)
+        if length % block:
+            raise ValueError(f"{length} block slots are no whole number of blocks of {block}.")
+        groups = width // self.group_size
+        values = hidden_states.reshape(-1, block, groups, self.group_size)
+        dynamic = dynamic.reshape(-1, block, self.kernel_size, groups, 1).to(hidden_states.dtype)
+        base = base.to(hidden_states.dtype).view(self.kernel_size, groups, self.group_size)
+        output = torch.zeros_like(values)
+        for offset in range(self.kernel_size):
+            shifted = values if offset == 0 else nn.functional.pad(values[:, :-offset], (0, 0, 0, 0, offset, 0))
+            output = output + base[offset] * shifted + dynamic[:, :, offset] * shifted
+        return output.view(batch, length, width)
+
+
 class DFlashDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm block: RMSNorm -> K/V-injected attention -> residual -> RMSNorm -> MLP -> residual."""
+    """Pre-norm block: RMSNorm -> K/V-injected attention -> residual -> RMSNorm -> MLP -> residual; in a DFlash 2
+    drafter each sub-layer is wrapped in a [`DFlash2Convolution`] over the block."""
 
     def __init__(self, config: DFlashConfig, layer_idx: int) -> None:
         super().__init__()
@@ -341,6 +391,8 @@ class DFlashDecoderLayer(GradientCheckpointingLayer):
         self.mlp = DFlashMLP(config)
         self.input_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attention_conv = DFlash2Convolution(config) if config.is_dflash2 else None
+        self.mlp_conv = DFlash2Convolution(config) if config.is_dflash2 else None
 
     def forward(
         self,
@@ -349,20 +401,31 @@ class DFlashDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
+        draft_block_size: int | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        if self.attention_conv is not None:
+            hidden_states, kernels = self.attention_conv.prepare(hidden_states, draft_block_size)
         hidden_states, _ = self.self_attn(
-            self.input_layernorm(hidden_states),
+            hidden_states,
             context_hidden_states=context_hidden_states,
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             cache=cache,
             **kwargs,
         )
+        if self.attention_conv is not None:
+            hidden_states = self.attention_conv.finish(hidden_states, kernels, draft_block_size)
         hidden_states = residual + hidden_states
         residual = hidden_states
-        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        if self.mlp_conv is not None:
+            hidden_states, kernels = self.mlp_conv.prepare(hidden_states, draft_block_size)
+        hidden_states = self.mlp(hidden_states)
+        if self.mlp_conv is not None:
+            hidden_states = self.mlp_conv.finish(hidden_states, kernels, draft_block_size)
         return residual + hidden_states
 
 
@@ -404,6 +467,48 @@ class DFlashMarkovHead(nn.Module):
         return self.markov_w2(embedded)
 
 
+class DFlashZeroInitEmbedding(nn.Embedding):
+    """An embedding whose rows start at zero (DFlash 2's successor codebook: a new selector changes no choice)."""
+
+
+class DFlash2CandidateSelector(nn.Module):
+    """DFlash 2's candidate selector: each slot's token among the top `selector_top_k` of its draft logits, chosen
+    walking from the anchor with a low-rank term for the token before it.
+
+    Slot `t`'s candidate `k` scores `U_t[k] + <A[prev] * (W h_t), B[cand_t[k]]>`: `U` the slot's draft logits,
+    `A` (`predecessor_codebook`) and `B` (`successor_codebook`) codebooks `(vocab_size, r)` over target ids, `W`
+    (`hidden_projection`) a bias-free projection of the slot's final hidden state `h_t`, `prev` the token chosen at
+    slot `t - 1` (the anchor for slot 1). `successor_codebook` starts at zero, so a new selector takes the argmax.
+    """
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        rank = int(config.selector_rank)
+        self.top_k = int(config.selector_top_k)
+        self.predecessor_codebook = nn.Embedding(int(config.vocab_size), rank)
+        self.successor_codebook = DFlashZeroInitEmbedding(int(config.vocab_size), rank)
+        self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)
+
+    def transition_scores(
+        self, hidden_states: torch.Tensor, candidates: torch.LongTensor, previous: torch.LongTensor
+    ) -> torch.Tensor:
+        """The selector's term `(..., slots, P, K)` for each slot's `K` candidates (target ids, `(..., slots, K)`)
+        after each of `P` possible previous tokens (`(..., slots, P)`: for slot `t > 1` of a walk, slot `t - 1`'s
+        candidates; the anchor for slot 1; the true previous token in training, `P = 1`), from the slots' final
+        hidden states `(..., slots, hidden_size)`."""
+        projected = self.hidden_projection(hidden_states.to(self.hidden_projection.weight.dtype))
+        left = self.predecessor_codebook(previous) * projected[..., None, :]
+        return left @ self.successor_codebook(candidates).transpose(-1, -2)
+
+    def lattice(
+        self, hidden_states: torch.Tensor, candidates: torch.LongTensor, anchors: torch.LongTensor
+    ) -> torch.Tensor:
+        """`(batch, slots, K, K)`: entry `[t, j, k]` is what candidate `k` of slot `t` adds when slot `t - 1` chose
+        its candidate `j` (slot 1: every `j` stands for the anchor). A walk then needs only gathers."""
+        previous = torch.cat([anchors[:, None, None].expand(-1, 1, candidates.shape[-1]), candidates[:, :-1]], dim=1)
+        return self.transition_scores(hidden_states, candidates, previous)
+
+
 @dataclass
 class DFlashModelOutput(BaseModelOutputWithPast):
     r"""
@@ -436,8 +541,12 @@ class DFlashPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, DFlashMarkovEmbedding):
             init.normal_(module.weight, mean=0.0, std=1.0)
-        elif isinstance(module, DFlashZeroInitLinear):  # a new Markov head leaves the drafter's logits unchanged
+        elif isinstance(module, (DFlashZeroInitLinear, DFlashZeroInitEmbedding)):  # new heads change no draft
             init.zeros_(module.weight)
+        elif isinstance(module, DFlash2Convolution):  # the identity: tap 0 one, the other taps zero
+            identity = torch.zeros_like(module.base_kernel)
+            identity[:, 0] = 1.0
+            init.copy_(module.base_kernel, identity)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
@@ -472,6 +581,7 @@ class DFlashPreTrainedModel(PreTrainedModel):
             config = cls.config_class.from_dict(config.to_dict())
         return_loading_info = kwargs.pop("output_loading_info", False)
         kwargs.update(use_safetensors=True, ignore_mismatched_sizes=True, output_loading_info=True)
+        kwargs.setdefault("key_mapping", dict(_CODEBOOK_KEY_MAPPING))
         try:
             model, loading_info = super().from_pretrained(
                 pretrained_model_name_or_path, *model_args, config=config, **kwargs
@@ -500,6 +610,11 @@ class DFlashPreTrainedModel(PreTrainedModel):
             )
         return (model, loading_info) if return_loading_info else model
 
+
+# DFlash 2's published files store the selector's codebooks without the `.weight` suffix
+_CODEBOOK_KEY_MAPPING = {
+    r"^candidate_selector\.(predecessor|successor)_codebook$": r"candidate_selector.\1_codebook.weight",
+}
 
 # safetensors dtypes a drafter's tensors may have (anything else would be cast silently on load): floating weights,
 # and the draft-to-target id map `d2t` in int64
@@ -608,6 +723,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             # draft id i -> target id i + d2t[i] (EAGLE-3 convention); identity until set_draft_vocabulary()
             self.register_buffer("d2t", torch.zeros(int(config.draft_vocab_size), dtype=torch.long))
         self.markov_head = DFlashMarkovHead(config) if config.markov_rank else None
+        self.candidate_selector = DFlash2CandidateSelector(config) if config.is_dflash2 else None
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -692,6 +808,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         use_cache: bool | None = None,
         previous_token_ids: torch.LongTensor | None = None,
         key_position_ids: torch.LongTensor | None = None,
+        draft_block_size: int | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> DFlashModelOutput:
         r"""
@@ -718,6 +835,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             key_position_ids (`torch.LongTensor` of shape `(batch, keys)`, *optional*):
                 Positions of every key the layers attend over, for sliding-window and block-causal layers when the
                 cached keys are not the positions right before the new context (default: they are).
+            draft_block_size (`int`, *optional*):
+                For a DFlash 2 drafter, when `noise_embeds` holds several consecutive blocks of this many slots
+                (training): each block is convolved alone. `None`: `noise_embeds` is one block per row.
             kwargs (`TransformersKwargs`, *optional*):
                 As for every Transformers model: `output_hidden_states` and `output_attentions` return the layers'
                 hidden states and attention weights, `return_dict=False` a tuple; the rest reaches the attention
@@ -728,6 +848,12 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             cache = DynamicCache()
         batch, block_len, _ = noise_embeds.shape
         native_cache = type(cache).__name__ == "DFlashCache"
+        if native_cache and self.config.is_dflash2:
+            raise ValueError(
+                "Transformers' native DFlash path drafts each slot's argmax and cannot run a DFlash 2 drafter's "
+                "candidate selector. Use `dflash_hf.generate(target, drafter, input_ids)` or "
+                "`target.generate(**inputs, custom_generate=dflash_hf.custom_generate, drafter=drafter)`."
+            )
         if native_cache and batch > 1:
             raise ValueError(
                 f'Transformers\' native DFlash path (`speculation_type="dflash"`) is batch-1 only, got a batch of '
@@ -765,6 +891,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 position_ids=position_ids,
                 past_length=past_len,
                 key_position_ids=key_position_ids,
+                draft_block_size=draft_block_size,
                 **kwargs,
             )
         # computed in the drafter's dtype, returned in the caller's (the target's LM head takes it next)
