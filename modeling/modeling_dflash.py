@@ -63,6 +63,20 @@ def _cache_argument(cache: Cache | None, kwargs: dict) -> Cache | None:
     return legacy if cache is None else cache
 
 
+
+def _forget_key_mapping(model: "PreTrainedModel", patterns: dict[str, str]) -> None:
+    """Drop the renamings `patterns` from what Transformers keeps of a load (from 5.24 on, `_weight_conversions`,
+    reverted by `save_pretrained`): a drafter read from published files saves its own tensor names."""
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions:
+        ours = set(patterns)
+        model._weight_conversions = [
+            conversion
+            for conversion in conversions
+            if not ours.issuperset(getattr(conversion, "source_patterns", None) or ["(none)"])
+        ]
+
+
 # --- The model ----------------------------------------------------------------------------------------------------
 
 
@@ -593,6 +607,7 @@ class DFlashPreTrainedModel(PreTrainedModel):
                 f"The weights in {pretrained_model_name_or_path} are not a readable safetensors file ({err}): the file "
                 "is truncated or corrupt; download or re-export the drafter."
             ) from err
+        _forget_key_mapping(model, _CODEBOOK_KEY_MAPPING)
         problems = []
         if loading_info["missing_keys"]:
             problems.append(f"missing tensors {sorted(loading_info['missing_keys'])}")

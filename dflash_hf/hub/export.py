@@ -36,7 +36,7 @@ from ..target.support import check_target_config
 from ..targets import TARGETS, is_hub_id, resolve_target_dir
 from .gguf import write_gguf
 from .layout import DFLASH_HF_AUTO_MAP, foreign_entries, remote_code
-from .official import to_official_config
+from .official import official_state_dict, to_official_config
 from .speculators import check_speculators_target, speculators_state_dict, to_speculators_config
 
 EXPORT_FORMATS = ("dflash-hf", "official", "speculators", "gguf")
@@ -128,7 +128,9 @@ def _write_folder(
     target: PreTrainedModel,
 ) -> None:
     """Write the dflash-hf or official layout into the (empty, staging) `folder`."""
-    drafter.save_pretrained(folder, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
+    options = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    renamed = official_state_dict(drafter) if format == "official" else None
+    drafter.save_pretrained(folder, **options, **({} if renamed is None else {"state_dict": renamed}))
     # the remote code always comes from this package's sources, whatever class `drafter` was loaded as
     for stray in folder.glob("*.py"):
         stray.unlink()

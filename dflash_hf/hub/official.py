@@ -3,7 +3,9 @@
 An official checkpoint is a plain Qwen3-style `config.json` (`model_type: "qwen3"`) naming
 `architectures: ["DFlashDraftModel"]`, with `auto_map: {"AutoModel": "dflash.DFlashDraftModel"}`, the draft depth in
 `num_hidden_layers`, `num_target_layers`, `block_size` and `dflash_config: {"mask_token_id", "target_layer_ids"}`.
-Tensor names are the same unprefixed names as ours, so only the config differs.
+Tensor names are the same unprefixed names as ours, so only the config differs; a DFlash 2 drafter
+(`architectures: ["DFlash2DraftModel"]`, its sizes in `dflash_config`) stores its selector's codebooks without the
+`.weight` suffix, as the published ones do.
 
 A Markov head (`DFlashConfig.markov_rank`) travels as its tensors `markov_head.markov_w1.weight`,
 `markov_head.markov_w2.weight` (and `markov_head.gate_proj.*` when gated) with DSpark's fields in `dflash_config`:
@@ -21,11 +23,12 @@ from typing import Any
 
 import transformers
 
+import torch
 from transformers import PreTrainedModel
 
 from ..drafters import DRAFT_LAYER_SIZES
-from ..modeling import DFlashConfig
-from ..modeling.configuration_dflash import markov_head_type
+from ..modeling import DFlashConfig, DFlashDraftModel
+from ..modeling.configuration_dflash import DFLASH2_KEYS, OFFICIAL_DFLASH2_ARCHITECTURE, markov_head_type
 from ..target.support import input_embedding_scale
 
 OFFICIAL_MODEL_TYPE = "qwen3"
@@ -94,7 +97,21 @@ def to_official_config(config: DFlashConfig, target: PreTrainedModel | None = No
     if config.markov_rank:
         official["dflash_config"].update(markov_rank=int(config.markov_rank), markov_head_type=markov_head_type(config))
         official["sample_from_anchor"] = False
+    if config.is_dflash2:
+        official["architectures"] = [OFFICIAL_DFLASH2_ARCHITECTURE]
+        official["dflash_config"].update({key: int(getattr(config, key)) for key in DFLASH2_KEYS})
     return official
+
+
+def official_state_dict(drafter: DFlashDraftModel) -> dict[str, torch.Tensor] | None:
+    """The tensors of `drafter` under the official layout's names where they differ from its own (a DFlash 2
+    selector's codebooks are stored without `.weight`, as published), else `None` (the names are the same)."""
+    if not drafter.config.is_dflash2:
+        return None
+    return {
+        name.removesuffix(".weight") if name.endswith("_codebook.weight") else name: tensor
+        for name, tensor in drafter.state_dict().items()
+    }
 
 
 def _draft_layer_layout(config: DFlashConfig) -> dict[str, Any]:
@@ -134,5 +151,6 @@ __all__ = [
     "OFFICIAL_AUTO_MAP",
     "OFFICIAL_MODELING_FILE",
     "OFFICIAL_MODEL_TYPE",
+    "official_state_dict",
     "to_official_config",
 ]

@@ -314,3 +314,22 @@ def test_dflash2_loads_from_published_files_and_drafts_as_the_reference(target, 
         assert torch.equal(want, got), cycle
     argmaxes = torch.cat([logits.argmax(-1) for logits in seen["ours"]], dim=1)
     assert not torch.equal(torch.cat(paths["ours"], dim=1), argmaxes)  # the selector changed some choices
+
+
+def test_dflash2_export_loads_into_the_reference_and_drafts_the_same(target, tmp_path, monkeypatch):
+    """A DFlash 2 drafter exported in the official layout (codebooks without `.weight`) is the reference's
+    `DFlash2DraftModel` and drafts the same paths; our own layout loads back the same tensors."""
+    reference_dflash2_drafter(tmp_path / "source")
+    drafter = DFlashDraftModel.from_pretrained(tmp_path / "source", dtype=torch.float32)
+    folder = dflash_hf.export(drafter, tmp_path / "official", target=target, base_model="tiny/qwen3", format="official")
+    model = reference.DFlash2DraftModel.from_pretrained(folder, dtype=torch.float32).eval()
+    seen, paths = record_draft_logits(monkeypatch), record_selected_paths(monkeypatch)
+    expected = reference.dflash_generate(model, target, PROMPT, 40, None, return_stats=True)
+    assert_same_cycles(seen, expected, run_ours(target, drafter, PROMPT))
+    assert all(torch.equal(a, b) for a, b in zip(paths["reference"], paths["ours"]))
+    ours = dflash_hf.export(drafter, tmp_path / "ours", target=target, base_model="tiny/qwen3")
+    for folder in (ours, tmp_path / "official"):
+        again = DFlashDraftModel.from_pretrained(folder, dtype=torch.float32)
+        assert again.config.is_dflash2
+        for name, tensor in drafter.state_dict().items():
+            assert torch.equal(again.state_dict()[name], tensor), name
