@@ -120,6 +120,18 @@ class DFlashTrainingConfig(TrainingArguments):
             (starting at zero) a higher rate than the backbone keeps. The head is optimised by the Trainer's optimizer
             (AdamW by default), and by AdamW under `muon` (`markov_w1` is an embedding table).
 
+        > DFlash 2
+
+        dflash2 (`bool`, defaults to `False`): Train a DFlash 2 drafter (`DFlashConfig.conv_kernel_size`): a new
+            drafter, or a loaded DFlash drafter, is given a dynamic convolution around every sub-layer and a candidate
+            selector (`DFlashDraftModel.add_dflash2`) that start as an exact no-op (identity convolutions, a zero
+            successor codebook): a trained DFlash drafter is the warm start. A loaded DFlash 2 drafter trains as it is.
+        conv_kernel_size, conv_group_size, selector_rank, selector_top_k (`int`, defaults `2`, `16`, `256`, `16`): The
+            new DFlash 2 parts' sizes (the published DFlash 2 drafters'); a loaded DFlash 2 drafter keeps its own.
+        selector_loss_weight (`float`, defaults to `1.0`): Each labelled slot's loss adds this times the selector's
+            teacher-forced `K`-way cross-entropy over the slot's top-`K` draft logits (its true previous token as the
+            predecessor); a label outside the top `K` adds nothing. Its codebooks are optimised by AdamW under `muon`.
+
         > Optimisation
 
         muon (`bool`, defaults to `False`): Optimise the drafter's 2-D weight matrices with `torch.optim.Muon`
@@ -248,6 +260,20 @@ class DFlashTrainingConfig(TrainingArguments):
         metadata={"help": "Peak learning rate of the Markov head (default: learning_rate, which drives the rest)."},
     )
 
+    # DFlash 2
+    dflash2: bool = field(
+        default=False,
+        metadata={"help": "Train a DFlash 2 drafter: convolutions and a candidate selector added to a new or DFlash one."},
+    )
+    conv_kernel_size: int = field(default=2, metadata={"help": "DFlash 2: taps of the dynamic convolutions."})
+    conv_group_size: int = field(default=16, metadata={"help": "DFlash 2: channels per dynamic-kernel group."})
+    selector_rank: int = field(default=256, metadata={"help": "DFlash 2: rank of the selector's codebooks."})
+    selector_top_k: int = field(default=16, metadata={"help": "DFlash 2: candidates per slot the selector chooses among."})
+    selector_loss_weight: float = field(
+        default=1.0,
+        metadata={"help": "DFlash 2: weight of the selector's K-way cross-entropy (added to the DFlash loss)."},
+    )
+
     # Optimisation
     muon: bool = field(default=False, metadata={"help": "torch.optim.Muon for 2-D weights, AdamW for the rest."})
     early_stopping_patience: int | None = field(
@@ -340,6 +366,10 @@ class DFlashTrainingConfig(TrainingArguments):
                 "freeze_backbone trains only the Markov head, which markov_loss_weight=0 leaves out of the loss: "
                 "raise markov_loss_weight (1.0 trains the head on its corrected logits)."
             )
+        if not float(self.selector_loss_weight) >= 0.0:
+            raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}.")
+        if self.dflash2 and self.markov_rank is not None:
+            raise ValueError("A DFlash 2 drafter has a candidate selector, not a Markov head: drop --markov_rank.")
         if self.markov_learning_rate is not None and float(self.markov_learning_rate) <= 0:
             raise ValueError(
                 f"markov_learning_rate must be > 0, got {self.markov_learning_rate}; omit it for learning_rate."

@@ -1,5 +1,6 @@
 """The drafter `DFlashTrainer` trains: loaded from a path, or built from the target; checked against the training
-config; given the Markov head the config asks for; its backbone frozen when only the head trains."""
+config; given the Markov head or the DFlash 2 parts the config asks for; its backbone frozen when only the head
+trains."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def resolve_drafter(
             f"{args.target_layer_ids}: drop --target_layer_ids or start a new drafter."
         )
     give_markov_head(model, args)
+    give_dflash2(model, args)
     return model, coverage
 
 
@@ -99,6 +101,17 @@ def give_markov_head(model: DFlashDraftModel, args: DFlashTrainingConfig) -> Non
             f"the training config asks for rank {wanted[0]} (gated: {wanted[1]}): drop --markov_rank / --markov_gated "
             "to train the drafter's own head."
         )
+
+
+def give_dflash2(model: DFlashDraftModel, args: DFlashTrainingConfig) -> None:
+    """Make a DFlash drafter the DFlash 2 drafter `args.dflash2` asks for (an exact no-op at the start)."""
+    if not args.dflash2 or model.config.is_dflash2:
+        return
+    model.add_dflash2(args.conv_kernel_size, args.conv_group_size, args.selector_rank, args.selector_top_k)
+    logger.info(
+        f"DFlash 2: convolutions of {args.conv_kernel_size} taps in groups of {args.conv_group_size}, a selector of rank "
+        f"{args.selector_rank} over the top {args.selector_top_k}, starting as the drafter's own drafts."
+    )
 
 
 def freeze_backbone(model: DFlashDraftModel) -> None:

@@ -36,10 +36,28 @@ def draft_forward(
         context_hidden_states=context,
         position_ids=blocks.position_ids,
         attention_mask=mask,
+        draft_block_size=blocks.labels.shape[-1],  # a DFlash 2 drafter convolves each block alone
         **({"previous_token_ids": blocks.previous_ids} if markov_head else {}),
     )
     shape = (*blocks.labels.shape, -1)
     return output.last_hidden_state.view(shape), output.markov_bias.view(shape) if markov_head else None
+
+
+def selector_scores(
+    selector: torch.nn.Module,
+    logits: torch.Tensor,
+    hidden: torch.Tensor,
+    previous: torch.Tensor,
+    draft_token_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A DFlash 2 selector's scores `(n, K)` of the `n` labelled slots' top-`K` candidates under their draft logits
+    `logits` `(n, V)` (over the draft vocabulary `draft_token_ids` where reduced), given each slot's true previous
+    token `previous` `(n,)` (teacher forcing) and final hidden state `hidden` `(n, H)`; and the candidates' indices
+    into `logits`' last dimension `(n, K)`."""
+    unary, index = logits.topk(selector.top_k, dim=-1)
+    candidates = index if draft_token_ids is None else draft_token_ids[index]
+    term = selector.transition_scores(hidden, candidates, previous[:, None])[:, 0]
+    return unary + term.float(), index
 
 
 def slot_logits(

@@ -12,7 +12,11 @@
    sum (`metrics.mixed_slot_losses`);
 5. with a Markov head: the head's correction for each slot's true previous token (teacher forcing) added to those
    logits, each slot's loss mixed as `(1 - w) * CE(backbone logits) + w * CE(corrected logits)`
-   (`markov_loss_weight`); `freeze_backbone` trains the head alone.
+   (`markov_loss_weight`); `freeze_backbone` trains the head alone;
+6. with a DFlash 2 candidate selector: plus `selector_loss_weight` times the selector's `K`-way cross-entropy over
+   the slot's top-`K` draft logits given its true previous token (teacher forcing); a label outside the top `K`
+   gives no selector loss. A slot counts as correct when the selector's choice is its label (greedy decoding's
+   walk, teacher-forced), and the unary argmax and top-`K` recall are counted beside it.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.cache_utils import DynamicCache
 
 from .config import DFlashTrainingConfig
-from .forward import draft_forward, slot_logits, teacher_probs
+from .forward import draft_forward, selector_scores, slot_logits, teacher_probs
 from .masks import BlockBatch, build_blocks, sample_anchors
 from .metrics import dpace_slot_weights, label_probabilities, mixed_slot_losses
 from .slots import LabelledSlots
@@ -55,6 +59,8 @@ class DFlashLossMixin:
         self.hard_labels = args.hard_labels
         self.has_markov_head = model.markov_head is not None
         self.markov_loss_weight = float(args.markov_loss_weight)
+        self.selector = model.candidate_selector  # DFlash 2, else None
+        self.selector_loss_weight = float(args.selector_loss_weight)
         self.loss_chunk_size = int(args.loss_chunk_size or 0)  # `DFlashTrainer` sets the device's default
         draft_ids = model.draft_token_ids
         self.draft_token_ids = None if draft_ids is None else draft_ids.detach().clone()
@@ -97,8 +103,10 @@ class DFlashLossMixin:
         if len(slots) == 0:  # no sequence had room for a block: keep every parameter in the graph (DDP)
             zero = hidden.sum() * 0.0 + (0.0 if markov_bias is None else markov_bias.sum() * 0.0)
             return zero, {"correct": torch.zeros_like(slots.mask), "selected": slots.mask}
-        loss, correct = self._labelled_loss(hidden, markov_bias, blocks, teacher, slots)
+        loss, correct, unary = self._labelled_loss(hidden, markov_bias, blocks, teacher, slots)
         stats = {"correct": slots.spread(correct, False), "selected": slots.mask}
+        if self.selector is not None:  # the unary argmax's hits and the top-K recall, beside the selector's
+            stats.update(unary_correct=slots.spread(unary[:, 0], False), in_top_k=slots.spread(unary[:, 1], False))
         return loss, {**stats, "anchors": blocks.anchors, "anchor_valid": blocks.anchor_valid}
 
     def _features(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -139,8 +147,9 @@ class DFlashLossMixin:
         blocks: BlockBatch,
         teacher: torch.Tensor | None,
         slots: LabelledSlots,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch's loss over its labelled `slots` and, per slot, whether the drafter's argmax is its label.
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The batch's loss over its labelled `slots`, per slot whether the drafter's choice is its label, and
+        (DFlash 2, else `(n, 0)`) whether the unary argmax is and whether the label is among the top `K`.
 
         The slots are scored `loss_chunk_size` at a time: the LM head's logits of one chunk (and the teacher's
         distribution there) live at once, and with several chunks each one is recomputed in the backward pass
@@ -156,7 +165,7 @@ class DFlashLossMixin:
             [None] * len(chunks) if markov_bias is None else slots.take(markov_bias).split(sizes),
         )
         recompute = len(chunks) > 1 and torch.is_grad_enabled()
-        losses, probs, correct = [], [], []
+        losses, probs, correct, unary = [], [], [], []
         for index, chunk_hidden, chunk_bias in parts:
             score = partial(self._chunk_losses, blocks=blocks, teacher=teacher, index=index)
             scored = (
@@ -164,12 +173,13 @@ class DFlashLossMixin:
                 if recompute
                 else score(chunk_hidden, chunk_bias)
             )
-            for out, part in zip((losses, probs, correct), scored):
+            for out, part in zip((losses, probs, correct, unary), scored):
                 out.append(part)
         weights = slots.take(blocks.weights)
         if self.loss_weighting == "dpace":
             weights = slots.take(dpace_slot_weights(slots.spread(torch.cat(probs)), slots.mask))
-        return (torch.cat(losses) * weights).sum() / weights.sum(), torch.cat(correct)
+        loss = (torch.cat(losses) * weights).sum() / weights.sum()
+        return loss, torch.cat(correct), torch.cat(unary)
 
     def _chunk_losses(
         self,
@@ -179,10 +189,12 @@ class DFlashLossMixin:
         blocks: BlockBatch,
         teacher: torch.Tensor | None,
         index: tuple[torch.Tensor, ...],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """For the labelled slots at `index` (their final hidden states `hidden` and Markov biases `markov_bias`):
-        each one's loss (`metrics.mixed_slot_losses`), its label's probability (no gradient; D-PACE weighs by it, else
-        empty) and whether its argmax is its label."""
+        each one's loss (`metrics.mixed_slot_losses`, plus the selector's with a DFlash 2 drafter), its label's
+        probability (no gradient; D-PACE weighs by it, else empty), whether the drafter's choice is its label (the
+        argmax, or the selector's) and, with a selector, whether the argmax is and whether the label is among the
+        top `K` (`(n, 2)`, else `(n, 0)`)."""
         logits, labels, target_probs = self._slot_targets(hidden, blocks, teacher, index)
         # with a Markov head, the logits the engine drafts from (the metrics' too) are the corrected ones
         corrected = logits if markov_bias is None else logits + markov_bias.float()
@@ -197,7 +209,17 @@ class DFlashLossMixin:
         )
         dpace = self.loss_weighting == "dpace"
         probs = label_probabilities(corrected, labels) if dpace else losses.new_zeros(0).detach()
-        return losses, probs, corrected.argmax(dim=-1) == labels
+        argmax_correct = corrected.argmax(dim=-1) == labels
+        if self.selector is None:
+            return losses, probs, argmax_correct, argmax_correct.new_zeros(len(labels), 0)
+        previous = blocks.previous_ids.view(blocks.labels.shape)[index]
+        scores, candidates = selector_scores(self.selector, corrected, hidden, previous, self.draft_token_ids)
+        gold = candidates == labels[:, None]
+        in_top_k = gold.any(dim=-1)
+        selector_losses = torch.nn.functional.cross_entropy(scores, gold.float().argmax(dim=-1), reduction="none")
+        losses = losses + self.selector_loss_weight * torch.where(in_top_k, selector_losses, 0.0)
+        chosen = candidates.gather(-1, scores.argmax(dim=-1, keepdim=True))[:, 0]
+        return losses, probs, chosen == labels, torch.stack([argmax_correct, in_top_k], dim=-1)
 
     def _slot_targets(
         self, hidden: torch.Tensor, blocks: BlockBatch, teacher: torch.Tensor | None, index: tuple[torch.Tensor, ...]

@@ -209,10 +209,10 @@ def decoding_walk(prefix: torch.Tensor, anchors: torch.Tensor, anchor_valid: tor
 
 def zero_metric_sums(block_size: int, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
     """The running sums behind the logged metrics, all zero (float64): `slot_correct` and `slot_total`
-    `(block_size,)`, `prefix_sum` (accepted drafts) over `blocks`, and `walk_tokens` over `walk_cycles` (replayed
-    decoding)."""
+    `(block_size,)`, `prefix_sum` (accepted drafts) over `blocks`, `walk_tokens` over `walk_cycles` (replayed
+    decoding), and a DFlash 2 drafter's `unary_correct` and `in_top_k` over `selector_slots`."""
     sums = {key: torch.zeros(block_size, device=device, dtype=torch.float64) for key in ("slot_correct", "slot_total")}
-    for key in ("prefix_sum", "blocks", "walk_tokens", "walk_cycles"):
+    for key in ("prefix_sum", "blocks", "walk_tokens", "walk_cycles", "unary_correct", "in_top_k", "selector_slots"):
         sums[key] = torch.zeros((), device=device, dtype=torch.float64)
     return sums
 
@@ -226,6 +226,10 @@ def batch_metric_sums(stats: dict[str, torch.Tensor], replay_decoding: bool) -> 
     correct, selected = stats["correct"].detach(), stats["selected"].detach()
     slot_correct, slot_total = slot_accuracy_sums(correct, selected)
     sums: dict[str, torch.Tensor | int] = {"slot_correct": slot_correct, "slot_total": slot_total}
+    if "in_top_k" in stats:
+        sums["selector_slots"] = selected.sum().to(torch.float64)
+        for key in ("unary_correct", "in_top_k"):
+            sums[key] = (stats[key].detach() & selected).sum().to(torch.float64)
     if "anchor_valid" in stats:
         prefix = accepted_drafts(correct)
         valid = stats["anchor_valid"]
@@ -240,7 +244,9 @@ def metrics_from_sums(sums: dict[str, torch.Tensor]) -> dict[str, float]:
     """The logged metrics of [`zero_metric_sums`]'s sums (empty when no slot had a label): `accuracy` (all slots),
     `accuracy_slot_{k}` for k = 1..B-1, `acceptance_length` (implied by the per-slot accuracies),
     `acceptance_length_blockwise` (mean accepted prefix + 1, when blocks were counted) and
-    `acceptance_length_decoding` (tokens per cycle of replayed decoding, when it was replayed)."""
+    `acceptance_length_decoding` (tokens per cycle of replayed decoding, when it was replayed); with a DFlash 2
+    drafter, whose `accuracy` is its selector's, `unary_accuracy` (the slots' argmax) and `unary_recall_at_k` (the
+    label among the selector's candidates)."""
     total = sums["slot_total"]
     if float(total.sum()) == 0:
         return {}
@@ -253,4 +259,7 @@ def metrics_from_sums(sums: dict[str, torch.Tensor]) -> dict[str, float]:
         metrics["acceptance_length_blockwise"] = 1.0 + float(sums["prefix_sum"] / sums["blocks"])
     if float(sums["walk_cycles"]) > 0:
         metrics["acceptance_length_decoding"] = float(sums["walk_tokens"] / sums["walk_cycles"])
+    if float(sums["selector_slots"]) > 0:
+        metrics["unary_accuracy"] = float(sums["unary_correct"] / sums["selector_slots"])
+        metrics["unary_recall_at_k"] = float(sums["in_top_k"] / sums["selector_slots"])
     return metrics

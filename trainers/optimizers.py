@@ -139,10 +139,16 @@ def build_optimizer(
     default: Callable[[], torch.optim.Optimizer],
 ) -> torch.optim.Optimizer:
     """The drafter's optimizer. With `args.muon` (and a trainable 2-D backbone weight): [`MuonWithAdamW`] for the
-    backbone, its Markov head on AdamW at `markov_learning_rate` (where given) with the Trainer's weight-decay split
-    (`decay_parameter_names`). Otherwise `default()` (the Trainer's optimizer, AdamW by default), the Markov head
+    backbone, its Markov head (a DFlash 2 selector's codebooks) on AdamW at `markov_learning_rate` (where given) with
+    the Trainer's weight-decay split (`decay_parameter_names`). Otherwise `default()` (the Trainer's optimizer, AdamW by default), the Markov head
     moved to groups of its own at `markov_learning_rate` where that differs from `learning_rate`."""
     head = {} if model.markov_head is None else dict(model.markov_head.named_parameters("markov_head"))
+    if model.candidate_selector is not None:  # embedding tables: AdamW's, as the Markov head's
+        head.update(
+            (name, parameter)
+            for name, parameter in model.candidate_selector.named_parameters("candidate_selector")
+            if name.endswith("_codebook.weight")
+        )
     head_ids = {id(p) for p in head.values()}
     head_lr = args.markov_learning_rate or args.learning_rate
     backbone = [p for p in model.parameters() if p.requires_grad and id(p) not in head_ids]

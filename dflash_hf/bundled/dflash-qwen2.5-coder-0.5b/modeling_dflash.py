@@ -758,6 +758,35 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         head.apply(self._init_weights)
         self.markov_head = head
 
+    def add_dflash2(
+        self, conv_kernel_size: int = 2, conv_group_size: int = 16, selector_rank: int = 256, selector_top_k: int = 16
+    ) -> None:
+        """Make this DFlash drafter a DFlash 2 drafter: a [`DFlash2Convolution`] around every sub-layer and a
+        [`DFlash2CandidateSelector`] (defaults: the published DFlash 2 drafters' sizes).
+
+        The convolutions start as the identity and the successor codebook at zero, so the drafter drafts exactly what
+        it drafted before until it is trained (a trained DFlash drafter is a DFlash 2 starting point).
+        """
+        if self.config.is_dflash2:
+            raise ValueError("This drafter is already a DFlash 2 drafter.")
+        sizes = {
+            "conv_kernel_size": conv_kernel_size,
+            "conv_group_size": conv_group_size,
+            "selector_rank": selector_rank,
+            "selector_top_k": selector_top_k,
+        }
+        config = self.config.__class__.from_dict({**self.config.to_dict(), **sizes})  # validated before any change
+        for key, value in sizes.items():
+            setattr(self.config, key, getattr(config, key))
+        placement = {"device": self.fc.weight.device, "dtype": self.fc.weight.dtype}
+        for layer in self.layers:
+            layer.attention_conv = DFlash2Convolution(self.config).to(**placement)
+            layer.mlp_conv = DFlash2Convolution(self.config).to(**placement)
+            layer.attention_conv.apply(self._init_weights)
+            layer.mlp_conv.apply(self._init_weights)
+        self.candidate_selector = DFlash2CandidateSelector(self.config).to(**placement)
+        self.candidate_selector.apply(self._init_weights)
+
     @property
     def draft_token_ids(self) -> torch.LongTensor | None:
         """Target ids of the reduced draft vocabulary (ascending), or `None` when drafting over the full vocabulary."""
