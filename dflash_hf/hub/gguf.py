@@ -30,7 +30,16 @@ What llama.cpp reads, checked against its build 11434 (`src/models/dflash.cpp`, 
   `w2 @ w1[previous]` to each drafted slot's logits (from slot 1, whose previous token is the anchor), chaining the
   argmax through the block, with `--spec-type draft-dflash` and `draft-dspark` alike.
 
+- Today's layouts: `dflash.attention.sliding_window` and `dflash.attention.sliding_window_pattern` (one bool per
+  layer) for sliding layers, `dflash.embedding_scale` (`input_embedding_scale`), `dflash.logit_scale`
+  (`output_multiplier`) and `dflash.final_logit_softcapping` (the drafter's own where it has one).
+- DFlash 2: `dflash.conv_kernel_size`, `dflash.conv_group_size`, `dflash.selector_rank`, `dflash.selector_top_k`,
+  tensors `blk.N.{attn,ffn}_conv_base` (F32, llama.cpp's shape `{hidden, K, 2}`), `blk.N.{attn,ffn}_conv_proj.weight`,
+  `selector_hidden.weight`, `selector_predecessor.weight` and `selector_successor.weight`.
+
 Refused with a `ValueError`: targets whose llama.cpp graph does not expose its layer inputs (Gemma 3 among them),
+draft layers causal inside the block (llama.cpp attends over the whole block), a DFlash 2 selector whose lattice
+does not fit llama.cpp's buffer (`hidden_size < K * (K + 1)`),
 attention biases, activations and RoPE types the loader has no key for, a tap of the target's last layer, the gated
 Markov head (llama.cpp has no gate tensor) and a Markov head on a softcapping target (llama.cpp adds the correction
 to the logits before softcapping, our drafters after it).
@@ -51,6 +60,7 @@ import numpy as np
 
 from ..fileio import atomic_write
 from ..modeling import DFlashConfig, DFlashDraftModel
+from ..modeling.configuration_dflash import DFLASH2_KEYS
 from ..targets import TARGETS
 
 ARCH = "dflash"
@@ -77,6 +87,9 @@ _ROOT_TENSORS = {
     "norm.weight": "output_norm.weight",
     "markov_head.markov_w1.weight": "markov_w1.weight",
     "markov_head.markov_w2.weight": "markov_w2.weight",
+    "candidate_selector.predecessor_codebook.weight": "selector_predecessor.weight",
+    "candidate_selector.successor_codebook.weight": "selector_successor.weight",
+    "candidate_selector.hidden_projection.weight": "selector_hidden.weight",
 }
 _LAYER_TENSORS = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -90,6 +103,10 @@ _LAYER_TENSORS = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "attention_conv.base_kernel": "attn_conv_base",
+    "attention_conv.kernel_projection.weight": "attn_conv_proj.weight",
+    "mlp_conv.base_kernel": "ffn_conv_base",
+    "mlp_conv.kernel_projection.weight": "ffn_conv_proj.weight",
 }
 
 
@@ -164,6 +181,18 @@ def check_llama_cpp_drafter(config: DFlashConfig) -> None:
         raise ValueError(
             "llama.cpp's DFlash loader runs the vanilla Markov head only (no gate tensor); this drafter's is gated."
         )
+    causal = [i for i in range(config.num_hidden_layers) if config.layer_is_causal(i)]
+    if causal:
+        raise ValueError(
+            f"llama.cpp's DFlash drafts attend over the whole block in every layer, and this drafter's layers {causal} "
+            "are causal inside the block: llama.cpp would draft differently than it was trained. Export in the "
+            "official or dflash-hf layout instead."
+        )
+    if config.is_dflash2 and config.hidden_size < config.selector_top_k * (config.selector_top_k + 1):
+        raise ValueError(
+            f"llama.cpp scores a DFlash 2 selector's lattice in a hidden-size buffer: hidden size {config.hidden_size} "
+            f"is below selector_top_k * (selector_top_k + 1) = {config.selector_top_k * (config.selector_top_k + 1)}."
+        )
     rope_type = (config.rope_parameters or {}).get("rope_type", "default")
     if rope_type not in ("default", "linear"):
         raise ValueError(
@@ -235,11 +264,25 @@ def _add_metadata(writer: Any, config: DFlashConfig, reader: Any) -> None:
     writer.add_array(f"{ARCH}.target_layers", [int(i) + 1 for i in config.target_layer_ids])
     writer.add_bool(f"{ARCH}.sample_from_anchor", False)
     writer.add_bool(f"{ARCH}.has_confidence_head", False)
-    if arch.startswith("gemma"):
-        writer.add_float32(f"{ARCH}.embedding_scale", math.sqrt(int(config.hidden_size)))
-    softcap = _field(reader, f"{arch}.final_logit_softcapping")
+    embedding_scale = config.input_embedding_scale
+    if embedding_scale is None and arch.startswith("gemma"):
+        embedding_scale = math.sqrt(int(config.hidden_size))
+    if embedding_scale is not None and float(embedding_scale) != 1.0:
+        writer.add_float32(f"{ARCH}.embedding_scale", float(embedding_scale))
+    if float(config.output_multiplier) != 1.0:
+        writer.add_float32(f"{ARCH}.logit_scale", float(config.output_multiplier))
+    softcap = config.final_logit_softcapping
+    if softcap is None:
+        softcap = _field(reader, f"{arch}.final_logit_softcapping")
     if softcap:
         writer.add_float32(f"{ARCH}.final_logit_softcapping", float(softcap))
+    sliding = [kind == "sliding_attention" for kind in config.layer_types]
+    if config.sliding_window is not None and any(sliding):
+        writer.add_uint32(f"{ARCH}.attention.sliding_window", int(config.sliding_window))
+        writer.add_array(f"{ARCH}.attention.sliding_window_pattern", sliding)
+    if config.is_dflash2:
+        for key in DFLASH2_KEYS:
+            writer.add_uint32(f"{ARCH}.{key}", int(getattr(config, key)))
     for key, field in reader.fields.items():
         if key.startswith("tokenizer.") and key != "tokenizer.ggml.mask_token_id":
             sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None

@@ -358,3 +358,76 @@ def test_cli_export_gguf(tiny, tmp_path, capsys):
     assert [line for line in err.splitlines() if line.startswith("error:")] == [
         f"error: {tmp_path / 'd.gguf'} already exists; choose another file name or pass overwrite=True (`--overwrite`)."
     ]
+
+
+# DFlash 2 (llama.cpp's `load_arch_tensors`, the `selector_hidden.weight` branch): the loader's own names and shapes
+DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
+
+
+def test_dflash2_drafter_keys_and_tensors(tiny, tmp_path):
+    """The four DFlash 2 sizes as u32 keys; the convolutions' bases (F32, `{hidden, K, 2}`) and projections
+    (`{hidden, 2 * K * hidden / g}`) per layer; the selector's `{r, vocab}` codebooks and `{hidden, r}` projection."""
+    target, _, target_path = tiny
+    drafter = make_drafter(target, **DFLASH2)
+    with torch.no_grad():
+        for name, parameter in drafter.named_parameters():
+            if "conv" in name or "candidate_selector" in name:
+                parameter.normal_(0.0, 0.5)
+    path = dflash_hf.export(drafter, tmp_path / "d.gguf", target=target_path, format="gguf", gguf_type="q8_0")
+    reader, written, state = gguf.GGUFReader(path), tensors(gguf.GGUFReader(path)), drafter.state_dict()
+    for key, value in DFLASH2.items():
+        assert field(reader, f"dflash.{key}") == value
+        assert reader.fields[f"dflash.{key}"].types == [gguf.GGUFValueType.UINT32]
+    projected = 2 * 2 * (64 // 16)
+    expected = {
+        "selector_predecessor.weight": ([8, 64], "candidate_selector.predecessor_codebook.weight"),
+        "selector_successor.weight": ([8, 64], "candidate_selector.successor_codebook.weight"),
+        "selector_hidden.weight": ([64, 8], "candidate_selector.hidden_projection.weight"),
+    }
+    for i in range(drafter.config.num_hidden_layers):
+        for theirs, ours in (("attn", "attention_conv"), ("ffn", "mlp_conv")):
+            expected[f"blk.{i}.{theirs}_conv_base"] = ([64, 2, 2], f"layers.{i}.{ours}.base_kernel")
+            expected[f"blk.{i}.{theirs}_conv_proj.weight"] = ([64, projected], f"layers.{i}.{ours}.kernel_projection.weight")
+    for theirs, (shape, ours) in expected.items():
+        assert written[theirs].shape.tolist() == shape, theirs
+        if theirs.endswith("_conv_base"):  # the bases stay F32: the drafter's values exactly
+            assert written[theirs].tensor_type == F32
+            np.testing.assert_array_equal(values(written[theirs]), state[ours].numpy())
+    assert len(written) == len(loader_shapes(drafter.config, 64)) + len(expected)
+
+
+def test_todays_layout_keys(tiny, tmp_path):
+    """Sliding layers: the window and one bool per layer (llama.cpp's `is_swa_impl`); the drafter's own embedding
+    scale, logit multiplier and softcap."""
+    target, _, target_path = tiny
+    drafter = make_drafter(
+        target,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=16,
+        is_causal=False,
+        input_embedding_scale=2.0,
+        output_multiplier=0.5,
+        final_logit_softcapping=20.0,
+    )
+    reader = gguf.GGUFReader(dflash_hf.export(drafter, tmp_path / "d.gguf", target=target_path, format="gguf"))
+    assert field(reader, "dflash.attention.sliding_window") == 16
+    assert field(reader, "dflash.attention.sliding_window_pattern") == [True, False]
+    assert reader.fields["dflash.attention.sliding_window_pattern"].types == [
+        gguf.GGUFValueType.ARRAY,
+        gguf.GGUFValueType.BOOL,
+    ]
+    assert field(reader, "dflash.embedding_scale") == pytest.approx(2.0)
+    assert field(reader, "dflash.logit_scale") == pytest.approx(0.5)
+    assert field(reader, "dflash.final_logit_softcapping") == pytest.approx(20.0)
+    gemma_path = write_target_gguf(tmp_path / "gemma4.gguf", target, arch="gemma4", softcapping=30.0)
+    uncapped = make_drafter(target, final_logit_softcapping=0.0)  # the drafter's own: none, whatever the target's
+    reader = gguf.GGUFReader(dflash_hf.export(uncapped, tmp_path / "u.gguf", target=gemma_path, format="gguf"))
+    assert "dflash.final_logit_softcapping" not in reader.fields
+
+
+def test_layouts_llama_cpp_cannot_run_are_refused(tiny, tmp_path):
+    target, _, target_path = tiny
+    causal = make_drafter(target, layer_types=["sliding_attention", "full_attention"], sliding_window=16)
+    refusal(causal, target_path, tmp_path, "causal inside the block")
+    wide = make_drafter(target, **{**DFLASH2, "selector_top_k": 8})  # 8 * 9 > 64
+    refusal(wide, target_path, tmp_path, "selector_top_k \\* \\(selector_top_k \\+ 1\\)")
