@@ -42,7 +42,7 @@ from .parts import next_part_number, part_path, write_part
 from .pending import Chunk, encoded_prompts, nonempty, planned_chunks
 from .prompts import DEFAULT_SOURCE, PROMPT_ORDERS, Prompt, load_prompts, ordered
 from .server import ServerResponder
-from .spot_check import check_weights, spot_check
+from .spot_check import check_weights, refuse_failed_folder, spot_check
 
 # the make-data folder's readers are imported from here too
 __all__ = [
@@ -147,7 +147,9 @@ def make_data(
     `server` ([`server.ServerResponder`]) the responses come from a running inference server serving the target
     (checked against it first); `target` then only describes it ([`targets.load_target_shell`]), unless
     `server_verify` > 0: then, before the dataset is published, `target` (with its weights) recomputes that many random
-    rows of the folder ([`spot_check.spot_check`]), and a served row that is not its greedy answer is a `ValueError`."""
+    rows of the folder ([`spot_check.spot_check`]), and a served row that is not its greedy answer is a `ValueError`
+    that marks the folder failed: no later run resumes or publishes it. `verified_rows` counts the rows verified over
+    all the folder's runs."""
     _check_arguments(responses, max_new_tokens, batch_size, max_samples, prompt_order, features_dir, target_layer_ids)
     vocab_size = target.config.get_text_config().vocab_size
     # before anything is written: the server and the layers to tap
@@ -164,6 +166,7 @@ def make_data(
         target_name, getattr(target.config, "model_type", None), source, max_new_tokens, max_prompt_tokens,
         held_out_fraction, seed, use_chat_template, responses, turn, prompt_order, server is not None,
     )  # fmt: skip
+    refuse_failed_folder(out)
     done = made_rows(out, settings, vocab_size)
     skipped = {"long": 0, "no_reply": 0}
     done_ids = {r["id"] for r in done}

@@ -223,6 +223,34 @@ def test_a_spot_check_refuses_answers_that_are_not_the_target_s(target, tmp_path
     assert not (tmp_path / "out" / "dataset").exists() and not (tmp_path / "out" / "manifest.json").exists()
 
 
+@pytest.mark.parametrize("verify_again", [0, 1])
+def test_rows_a_failed_spot_check_found_are_never_published(target, tmp_path, verify_again):
+    """One lying row in six: the check that finds it marks the folder, and the same command again (all rows already
+    made), with a smaller spot check or none, refuses to publish instead of drawing other rows."""
+    tok = make_tokenizer()
+    src = str(write_prompts(tmp_path / "p.jsonl"))
+    with _Lying(target, tok, lambda before, honest: [7, 7, 7, 2] if len(before) == 2 else honest) as server:
+        responder = _responder(server.url, tok, concurrency=1)
+        with pytest.raises(ValueError, match="is not the target's"):
+            make_data(target, tok, tmp_path / "out", source=src, server=responder, server_verify=99, **KWARGS)
+        with pytest.raises(ValueError, match="found a served row that is not the target's answer"):
+            make_data(target, tok, tmp_path / "out", source=src, server=responder, server_verify=verify_again, **KWARGS)
+    assert not (tmp_path / "out" / "dataset").exists() and not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_verified_rows_count_the_rows_verified_over_the_folder(target, tmp_path):
+    """Each run checks rows no earlier run verified; the manifest counts every row verified so far."""
+    tok = make_tokenizer()
+    src = str(write_prompts(tmp_path / "p.jsonl"))
+    counts = []
+    with StandInServer(target, tok) as server:
+        responder = _responder(server.url, tok)
+        for _ in range(3):
+            manifest = make_data(target, tok, tmp_path / "out", source=src, server=responder, server_verify=2, **KWARGS)
+            counts.append(manifest["settings"]["server"]["verified_rows"])
+    assert counts == [2, 4, min(6, len(PROMPTS))]
+
+
 def test_a_spot_check_it_cannot_run_is_refused_before_anything_is_written(target, tmp_path):
     tok = make_tokenizer()
     src = str(write_prompts(tmp_path / "p.jsonl"))
