@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -898,6 +899,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 "candidate selector. Use `dflash_hf.generate(target, drafter, input_ids)` or "
                 "`target.generate(**inputs, custom_generate=dflash_hf.custom_generate, drafter=drafter)`."
             )
+        if native_cache:
+            self._warn_native_scales()
         if native_cache and batch > 1:
             raise ValueError(
                 f'Transformers\' native DFlash path (`speculation_type="dflash"`) is batch-1 only, got a batch of '
@@ -948,6 +951,29 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         return DFlashModelOutput(
             last_hidden_state=hidden_states, markov_bias=markov_bias, **{_OUTPUT_CACHE_FIELD: cache}
         )
+
+    def _warn_native_scales(self) -> None:
+        """Once per drafter: Transformers' native path embeds the block with the target's embedding module and
+        drafts from the LM head's plain logits, so a drafter's own scales do not apply there."""
+        config = self.config
+        unused = [
+            name
+            for name, value, default in (
+                ("input_embedding_scale", config.input_embedding_scale, (None, 1.0)),
+                ("output_multiplier", config.output_multiplier, (1.0,)),
+                ("final_logit_softcapping", config.final_logit_softcapping, (None, 0.0)),
+            )
+            if value not in default
+        ]
+        if unused and not getattr(self, "_warned_native_scales", False):
+            self._warned_native_scales = True
+            warnings.warn(
+                f"Transformers' native DFlash path does not apply this drafter's {', '.join(unused)}: its drafts differ "
+                "from those it was trained to make (the output is still the target's). `dflash_hf.generate(target, "
+                "drafter, input_ids)` applies them.",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def __getattr__(self, name: str):
         # Transformers' plain assisted decoding first reads `assistant_model.generation_config`: turn that into a
