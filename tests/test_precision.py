@@ -440,12 +440,14 @@ def test_matmul_floor_times_every_linear_layer_and_the_head_on_k_rows(monkeypatc
     calls: list[tuple[str, int]] = []
     for module in linears + draft_linears:
         module.register_forward_hook(lambda m, args, out: calls.append((names[m], args[0].shape[0])))
-    logits = profile_module.TargetAdapter.logits
-    monkeypatch.setattr(
-        profile_module.TargetAdapter,
-        "logits",
-        lambda self, hidden, token_ids=None: calls.append(("head", hidden.shape[0])) or logits(self, hidden, token_ids),
-    )
+    for method in ("logits", "draft_logits"):  # the target's head, and the drafter's through it
+        original = getattr(profile_module.TargetAdapter, method)
+        monkeypatch.setattr(
+            profile_module.TargetAdapter,
+            method,
+            lambda self, hidden, token_ids=None, original=original: calls.append(("head", hidden.shape[0]))
+            or original(self, hidden, token_ids),
+        )
     measure_costs(target, drafter, token_counts=(1, 4), context_tokens=16, repeats=1)
     products = [call for call in calls if call[1] == 4]  # the forwards' calls have a batch dimension first
     target_run = [(names[m], 4) for m in linears] + [("head", 4)]

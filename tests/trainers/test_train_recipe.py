@@ -506,13 +506,13 @@ def test_a_chunked_loss_is_the_whole_loss_with_a_chunk_of_logits_at_a_time(tiny_
     assert trainer.loss_chunk_size == 0  # on CPU: every slot at once by default
     batch, anchors = fixed_batch(trainer, data)
     trainer.model.train()
-    results, logits = [], trainer.adapter.logits
+    results, logits = [], trainer.adapter.draft_logits
     for size in (0, 5):
         trainer.loss_chunk_size = size
         trainer.model.zero_grad()
         scored = []
         monkeypatch.setattr(
-            trainer.adapter, "logits", lambda h, *a, seen=scored: seen.append(h.shape[0]) or logits(h, *a)
+            trainer.adapter, "draft_logits", lambda h, *a, seen=scored: seen.append(h.shape[0]) or logits(h, *a)
         )
         loss, stats = trainer.dflash_loss(trainer.model, batch, anchors=anchors)
         loss.backward()
