@@ -29,7 +29,7 @@ from transformers.generation.configuration_utils import CompileConfig
 from ..modeling.modeling_dflash import key_positions
 from ..runtime import Stopwatch, compiled_call
 from ..target.adapter import TargetAdapter, TargetStep
-from .cache_ops import truncate_cache
+from .cache_ops import drop_leading, truncate_cache
 from .draft_tree import DEFAULT_TREE_NODES, DraftTree, DraftTreeSearch, pack_trees
 from .lookup import LookupBranchChoice, Lookups, lookup_branch_length, lookup_branch_trees
 from .rows import ActiveRows
@@ -182,12 +182,18 @@ class DFlashChain:
         self.drafter, self.adapter, self.cache, self.choice, self.timer = drafter, adapter, cache, choice, timer
         self.mask_token_id = int(drafter.config.mask_token_id)
         self.compile_config, self.context_width = compile_config, context_width
+        # a drafter whose every layer slides over a window: the leading context positions its cache no longer holds
+        window = drafter.config.context_window
+        self.kept_context = None if window is None or compile_config is not None else window + 2 * context_width
+        self.dropped = 0
 
     def attention_mask(self, state: ActiveRows, block: int) -> torch.Tensor | None:
         """The drafter's mask over its keys (cache, pending context, block): `None` when no row is padded, else in
         the 4-D boolean form its attention takes (the 2-D one for flash attention), as the host knows the rows are
         padded (given a 2-D mask, the drafter reads it to find out)."""
         mask = state.attention_mask(block)
+        if mask is not None and self.dropped:
+            mask = mask[:, self.dropped :]
         if mask is None or "flash" in (self.drafter.config._attn_implementation or ""):
             return mask
         return mask.bool()[:, None, None, :].expand(-1, 1, block, -1)
@@ -217,7 +223,8 @@ class DFlashChain:
             cache=self.cache,
             **self.key_positions(state, position_ids, block),
         )
-        truncate_cache(self.cache, state.mask.shape[1])
+        truncate_cache(self.cache, state.mask.shape[1] - self.dropped)
+        self._forget_past_the_window(state)
         hidden_states = out.last_hidden_state[:, 1:]
         if call is not self.drafter:  # a copy that a later replay of the drafter's CUDA graphs does not overwrite
             hidden_states = hidden_states.clone()
@@ -230,10 +237,21 @@ class DFlashChain:
         static cache's filled length."""
         if not self.drafter.config.restricts_attention:
             return {}
-        cached = state.mask.shape[1] - state.pending_pos.shape[1]
+        cached = state.mask.shape[1] - self.dropped - state.pending_pos.shape[1]
         keys = self.cache.layers[0].max_cache_len if self.compile_config is not None else 0
         keys = max(keys, cached + position_ids.shape[1])
         return {"key_position_ids": key_positions(position_ids, cached, keys, None)}
+
+    def _forget_past_the_window(self, state: ActiveRows) -> None:
+        """A drafter that sees only the last `W - 1` context positions keeps no more than those in its cache (and the
+        most a commit and a re-alignment move a row by): long contexts cost it nothing more. The positions dropped
+        first are out of every slot's window, so the drafts are the same."""
+        if self.kept_context is None:
+            return
+        held = state.mask.shape[1] - self.dropped
+        if held > 2 * self.kept_context:  # now and then, not every cycle
+            drop_leading(self.cache, held - self.kept_context, held)
+            self.dropped += held - self.kept_context
 
     def static_mask(self, state: ActiveRows, block: int, hidden: int) -> torch.Tensor:
         """The drafter's 4-D boolean mask over its static cache: the cached and pending context as the rows' padding

@@ -138,6 +138,7 @@ class GenerationCall:
             self.compile_config if is_static(self.draft_cache) else None,
             context_width=self.plan.verify_width,  # the longest path a verify commits
         )
+        self.chain = chain
         if oracle is not None:
             chain = oracle_chain(
                 chain,
@@ -239,7 +240,7 @@ class GenerationCall:
         if any(state.shifts):
             shift = state.pending_shift
             shift_cache_right(self.target_cache, shift, length)
-            shift_cache_right(self.draft_cache, shift, length)
+            shift_cache_right(self.draft_cache, shift, length - self.chain.dropped)
             vacated = torch.arange(length, device=self.device)[None, :] < shift[:, None]
             state.mask = shift_right(state.mask, shift, dim=1).masked_fill(vacated, 0)
         if self._room_is_short(length):
