@@ -94,7 +94,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> None
     earlier write of `path` are removed first (another write of `path` still running keeps its own, and the last to
     finish gives `path`)."""
     path = Path(path)
-    remove_leftovers(path.parent, (f".{glob.escape(path.name)}.*.tmp",))  # of a killed earlier write
+    remove_leftovers(path.parent, (f".{glob.escape(path.name)}.*.*@*.tmp",))  # of a killed earlier write (only its own)
     folder = _private_folder(path, ".tmp")
     temporary = folder / path.name
     try:

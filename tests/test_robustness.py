@@ -557,12 +557,20 @@ def test_atomic_write_never_writes_through_a_planted_link(tmp_path, planted):
     assert stat.S_IMODE((out / "d.gguf").stat().st_mode) == FILE_MODE
 
 
-def test_atomic_write_clears_the_leftovers_of_a_killed_write(tmp_path):
-    leftover = tmp_path / ".manifest.json.k1ll3d.tmp"
+def test_atomic_write_clears_the_leftovers_of_a_killed_write_and_nothing_else(tmp_path):
+    """Its own temporaries (`.NAME.<random>.<pid>@<host>.tmp`) of a writer that is gone go; a user's own file that
+    merely looks alike stays."""
+    import socket
+    import subprocess
+
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    leftover = tmp_path / f".manifest.json.k1ll3d.{ended.pid}@{socket.gethostname()}.tmp"
     leftover.mkdir()
     (leftover / "manifest.json").write_text("half")
+    (tmp_path / ".manifest.json.mine.tmp").write_text("the user's")
     fileio.atomic_write_text(tmp_path / "manifest.json", "{}")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".manifest.json.mine.tmp", "manifest.json"]
 
 
 def test_two_writers_of_one_path_both_finish_and_the_last_gives_it(tmp_path):

@@ -8,6 +8,7 @@ package's engine reports its own statistics.
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +61,12 @@ MethodRunner = Callable[..., MethodRun]
 takes that output's new tokens on the same prompt as a third argument."""
 
 SAMPLING_SEED = 0  # every sampled run starts from this torch seed, so a bench run is reproducible
+
+
+def prompt_seed(input_ids: torch.LongTensor) -> int:
+    """A seed of the prompt's own (the same prompt, the same seed in every run and method): each prompt's oracle
+    keeps and drops slots by its own draws, not one draw repeated for every prompt."""
+    return zlib.crc32(input_ids.detach().cpu().numpy().astype("int64").tobytes())
 
 
 def transformers_runner(
@@ -146,7 +153,7 @@ def engine_runner(
         oracle = {}
         if oracle_keep is not None:
             replayed = torch.tensor([reference], dtype=torch.long, device=input_ids.device)
-            oracle["oracle"] = OracleDrafts(replayed, oracle_keep)
+            oracle["oracle"] = OracleDrafts(replayed, oracle_keep, seed=prompt_seed(input_ids))
         with Stopwatch(input_ids.device) as stopwatch:
             out = generate(
                 target,

@@ -112,7 +112,10 @@ class ServerResponder:
         if int(max_new_tokens) < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
         if not 0 < timeout_s <= MAX_TIMEOUT_S:
-            raise ValueError(f"timeout_s must be > 0 and at most {MAX_TIMEOUT_S:g} s (a day), got {timeout_s}.")
+            raise ValueError(
+                f"The server timeout (--server-timeout, `timeout_s`) must be > 0 and at most {MAX_TIMEOUT_S:g} s (a "
+                f"day), got {timeout_s}."
+            )
         if api not in API_CHOICES:
             raise ValueError(f"server api must be one of {API_CHOICES}, got {api!r}.")
         if concurrency < 1:

@@ -471,6 +471,22 @@ def test_oracle_rows_replay_plain_greedy_at_the_chosen_acceptance(setup, capsys)
         bench.run_bench(target, drafter, prompts, max_new_tokens=2, methods=[oracles[0], greedy], progress=False)
 
 
+def test_oracle_rows_draw_per_prompt(setup):
+    """P = 0.5 keeps and drops each prompt's slots by that prompt's own draws (the same prompt twice: the same draws),
+    not one sequence of draws repeated for every prompt."""
+    target, drafter, _ = setup
+    greedy = bench.default_methods(target, drafter, block_sizes=[4], adaptive=False)[0]
+    oracle = bench.oracle_methods(target, drafter, [0.5], block_sizes=[4])[0]
+    prompt = [5, 7, 3, 9, 4, 6]
+    prompts = [bench.BenchPrompt(id=f"p{i}", input_ids=ids) for i, ids in enumerate([prompt, prompt[::-1], prompt])]
+    result = bench.run_bench(
+        target, drafter, prompts, max_new_tokens=24, methods=[greedy, oracle], warmup_tokens=0, progress=False
+    )
+    kept = [record.accepted_lengths for record in result.results[oracle.name]]
+    cycles = min(len(kept[0]), len(kept[1])) - 1  # the last cycle is cut short by what is left of the 24 tokens
+    assert kept[0] == kept[2] and kept[0][:cycles] != kept[1][:cycles]
+
+
 def test_bad_input_is_refused(setup, tmp_path):
     target, drafter, prompts = setup
     with pytest.raises(ValueError, match="trained block size 8"):

@@ -278,6 +278,20 @@ def test_cli_server_verify_loads_the_weights_and_fails_with_one_error_line(tmp_p
         assert cli_main([*argv, "--server", server.url]) == 2
     assert "error: The served response of row" in capsys.readouterr().err
     assert not (tmp_path / "out" / "dataset").exists()
+    with StandInServer(model, AutoTokenizer.from_pretrained(folder)) as server:  # an honest server now: still refused
+        assert cli_main([*argv[:-2], "--server", server.url]) == 2
+    assert "found a served row that is not the target's answer" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "dataset").exists()
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1", "1e9"])
+def test_cli_server_timeout_errors_name_the_flag(tmp_path, capsys, timeout):
+    folder = save_tiny_target(tmp_path / "target")
+    src = write_prompts(tmp_path / "p.jsonl", prompts=["the cat sat"])
+    argv = ["make-data", "--target", str(folder), "--prompts", str(src), "--out", str(tmp_path / "out"), "--quiet"]
+    argv += ["--server", "http://127.0.0.1:9", "--server-timeout", timeout]
+    assert cli_main(argv) == 2
+    assert "--server-timeout" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ hostile and broken servers
