@@ -27,6 +27,7 @@ from .gguf_chunks import installed_version, sha256_of
 from .special_tokens import configure_generation
 
 MARKER_FILE = "dflash_hf_cache.json"
+_MAX_MARKER_BYTES = 1 << 20  # a marker lists a few files: far below this
 CACHE_FORMAT = 1
 
 SourceLoader = Callable[[Path], tuple[PreTrainedModel, PreTrainedTokenizerBase]]
@@ -73,11 +74,14 @@ def cache_problem(directory: str | Path, spec: TargetSpec) -> str | None:
     directory = Path(directory)
     if not directory.is_dir():
         return "not built yet"
-    try:
-        marker = json.loads((directory / MARKER_FILE).read_text())
-    except FileNotFoundError:
+    path = directory / MARKER_FILE
+    if not path.exists():
         return "incomplete (no completion marker)"
-    except (OSError, ValueError):
+    if not path.is_file() or path.stat().st_size > _MAX_MARKER_BYTES:  # a FIFO would block the read
+        return "unreadable completion marker"
+    try:
+        marker = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
         return "unreadable completion marker"
     if not isinstance(marker, dict) or marker.get("format") != CACHE_FORMAT or marker.get("target") != spec.name:
         return "completion marker of another format or target"

@@ -127,6 +127,14 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+def _replace_with_fifo(path: Path) -> None:
+    """`path` replaced by a FIFO: reading it would block until a writer came."""
+    import os
+
+    path.unlink()
+    os.mkfifo(path)
+
+
 def _mark_config(folder: Path, entry) -> None:
     """Give `config.json` the entry `entry` in the cache's completion marker."""
     marker = json.loads((folder / MARKER_FILE).read_text())
@@ -144,8 +152,13 @@ def _mark_config(folder: Path, entry) -> None:
         (lambda folder: (folder / MARKER_FILE).write_text("{not json"), "unreadable"),
         (lambda folder: _mark_config(folder, 5), "completion marker has no size and sha256 of config.json"),
         (lambda folder: _mark_config(folder, [1, "x"]), "completion marker has no size and sha256 of config.json"),
+        (lambda folder: (folder / MARKER_FILE).write_text("[" * 100_000 + "]" * 100_000), "unreadable"),
+        (lambda folder: _replace_with_fifo(folder / MARKER_FILE), "unreadable"),
     ],
-    ids=["bit-flip", "truncated", "no-marker", "missing-file", "bad-marker", "entry-a-number", "entry-a-list"],
+    ids=[
+        "bit-flip", "truncated", "no-marker", "missing-file", "bad-marker", "entry-a-number", "entry-a-list",
+        "marker-nested-deep", "marker-a-fifo",
+    ],
 )
 def test_damaged_cache_is_detected_and_rebuilt(cache_root, tiny_spec, damage, reason):
     spec, calls = tiny_spec

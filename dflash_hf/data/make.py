@@ -16,6 +16,7 @@ import collections
 import contextlib
 import functools
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -165,6 +166,7 @@ def make_data(
     settings = folder_settings(
         target_name, getattr(target.config, "model_type", None), source, max_new_tokens, max_prompt_tokens,
         held_out_fraction, seed, use_chat_template, responses, turn, prompt_order, server is not None,
+        _build(target, server is not None or responses == "source"),
     )  # fmt: skip
     refuse_failed_folder(out)
     done = made_rows(out, settings, vocab_size)
@@ -177,19 +179,43 @@ def make_data(
     run.update(served)
     if not done and (encoded := nonempty(encoded)) is None:  # no row to make: nothing is written
         return manifest_of(settings, run, counts, _run_counts(0, skipped, responses), [], held, seconds=0.0)
-    start_parts(out, settings)
-    if recorder is not None:
-        recorder.start(done)
-    started = time.time()
-    respond = _responder(target, tokenizer, responses, max_new_tokens, recorder, server)
-    goal = len(train) if max_samples is None else min(max_samples, len(train))
-    generated = _write_parts(respond, out / "parts", encoded, done, goal, batch_size, progress, recorder)
+    with _removed_if_nothing_made(out):
+        start_parts(out, settings)
+        if recorder is not None:
+            recorder.start(done)
+        started = time.time()
+        respond = _responder(target, tokenizer, responses, max_new_tokens, recorder, server)
+        goal = len(train) if max_samples is None else min(max_samples, len(train))
+        generated = _write_parts(respond, out / "parts", encoded, done, goal, batch_size, progress, recorder)
     run_counts = _run_counts(generated, skipped, responses)
     if server_verify:
         run["server"]["verified_rows"] = spot_check(target, done, server_verify, str(out))
     manifest = manifest_of(settings, run, counts, run_counts, done, held, seconds=time.time() - started)
     publish(out, done, held, manifest, generated)
     return manifest
+
+
+@contextlib.contextmanager
+def _removed_if_nothing_made(out: Path) -> Iterator[None]:
+    """A new folder that a failing run (a server that stops answering, a kill) left without a single part is removed
+    again, so no settings of a run that made nothing stay behind; a folder with rows keeps them for the resume."""
+    new = not out.exists()
+    try:
+        yield
+    except BaseException:
+        parts = out / "parts"
+        if new and not any(parts.glob("part-*")):
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _build(target: PreTrainedModel, answers_elsewhere: bool) -> tuple[str, str]:
+    """The dtype and device type `target` generates in (a served or teacher-forced folder's rows do not depend on
+    it: the float32 CPU build's defaults)."""
+    parameter = next(target.parameters())
+    if answers_elsewhere or parameter.device.type == "meta":
+        return "float32", "cpu"
+    return str(parameter.dtype).removeprefix("torch."), parameter.device.type
 
 
 def _check_arguments(

@@ -48,8 +48,11 @@ def folder_settings(
     turn: int,
     prompt_order: str,
     from_server: bool,
+    build: tuple[str, str] = ("float32", "cpu"),
 ) -> dict[str, Any]:
-    """The settings a make-data folder records: a rerun must repeat them to resume it."""
+    """The settings a make-data folder records: a rerun must repeat them to resume it. `build`: the dtype and device
+    type the target generates in (two builds of one target answer differently at near ties; a `random:` target's
+    weights differ)."""
     settings = {
         "target": target_name,
         "target_model_type": target_model_type,
@@ -67,6 +70,11 @@ def folder_settings(
         settings["prompt_order"] = prompt_order
     if from_server:  # a served model's greedy answers are its own (another engine, maybe quantized)
         settings["responses_from"] = "server"
+    dtype, device = build  # recorded where they are not the float32 CPU build the older folders were made in
+    if dtype != "float32":
+        settings["dtype"] = dtype
+    if device != "cpu":
+        settings["device"] = device
     return settings
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import gzip
 import json
 import shutil
@@ -80,6 +82,21 @@ def test_make_data_resumes_without_duplicates_or_losses(target, tmp_path, monkey
     # growing the set with --max-samples and other settings
     with pytest.raises(ValueError, match="other settings"):
         run_make_data(target, tok, tmp_path / "run", src, max_new_tokens=9)
+
+
+def test_a_folder_resumes_only_in_the_dtype_it_was_started_in(target, tmp_path):
+    """Rows of two builds of one target never share a folder: a bfloat16 run refuses a float32 folder and back; the
+    float32 CPU build records nothing (the committed folders resume unchanged)."""
+    tok = make_tokenizer()
+    src = write_prompts(tmp_path / "p.jsonl")
+    manifest = run_make_data(target, tok, tmp_path / "f32", src, max_new_tokens=6, max_samples=2)
+    assert "dtype" not in manifest["settings"] and "device" not in manifest["settings"]
+    half = copy.deepcopy(target).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="other settings \\(dtype: None -> 'bfloat16'\\)"):
+        run_make_data(half, tok, tmp_path / "f32", src, max_new_tokens=6)
+    run_make_data(half, tok, tmp_path / "bf16", src, max_new_tokens=6, max_samples=2)
+    with pytest.raises(ValueError, match="dtype: 'bfloat16' -> None"):
+        run_make_data(target, tok, tmp_path / "bf16", src, max_new_tokens=6)
 
 
 def test_a_missing_part_never_makes_a_rerun_replace_another(target, tmp_path):

@@ -430,6 +430,16 @@ def test_broken_answers_are_server_errors_never_rows(answers, message):
         responder([[1, 2, 3]])
 
 
+def test_a_run_that_made_nothing_leaves_no_folder(target, tmp_path):
+    """A server that answers the probes and then breaks: the run fails, and its new folder (with the settings it
+    recorded) is gone, so the next run starts clean; a folder that holds rows is kept for its resume."""
+    tok = make_tokenizer()
+    src = str(write_prompts(tmp_path / "p.jsonl"))
+    with _Scripted(tok, _completion("broken")) as server, pytest.raises(ServerError, match="broken HTTP answer"):
+        make_data(target, tok, tmp_path / "out", source=src, server=_responder(server.url, tok, api="llama.cpp"), **KWARGS)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     "url",
     [
