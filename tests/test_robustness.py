@@ -25,7 +25,7 @@ import torch
 from dflash_hf.trainers import checkpointing as checkpointing_module
 from dflash_hf.trainers import trainer as trainer_module
 from dflash_hf.trainers.checkpoint_io import last_complete_checkpoint
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from testing_utils import (
     greedy_reference,
     make_drafter,
@@ -522,6 +522,32 @@ def test_train_survives_sigkill_during_a_checkpoint_save(reference_run, capsys):
     _assert_same_run(root, run)
     for folder in (run / "checkpoint-4", run / "final"):  # (8) ordinary modes in checkpoints and exports
         assert {stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir() if p.is_file()} == {FILE_MODE}
+
+
+@pytest.mark.parametrize("damaged", ["model.safetensors", "optimizer.safetensors"])
+def test_last_skips_a_checkpoint_with_a_truncated_safetensors_file(tmp_path, damaged):
+    """A weights or optimizer file cut short (a copy or a disk that failed) makes its checkpoint incomplete: `last`
+    takes the one before, naming the file; the one asked for by name is refused with the same reason."""
+    from transformers.trainer_callback import TrainerState
+
+    from dflash_hf.trainers.checkpoint_io import check_complete_checkpoint
+
+    run = tmp_path / "run"
+    for step in (1, 2):
+        folder = run / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        save_file({"fc.weight": torch.ones(8, 8)}, str(folder / "model.safetensors"))
+        save_file({"state": torch.zeros(16)}, str(folder / "optimizer.safetensors"))
+        TrainerState(global_step=step).save_to_json(str(folder / "trainer_state.json"))
+    broken = run / "checkpoint-2" / damaged
+    broken.write_bytes(broken.read_bytes()[:-7])
+    newest, skipped = last_complete_checkpoint(run)
+    assert newest == str(run / "checkpoint-1")
+    assert len(skipped) == 1 and f"{damaged} is truncated" in skipped[0]
+    with pytest.raises(ValueError, match=f"{damaged} is truncated .*resume from .*checkpoint-1"):
+        check_complete_checkpoint(run / "checkpoint-2")
+    broken.write_bytes(b"\xff" * 16)
+    assert "checkpoint-2" in last_complete_checkpoint(run)[1][0]
 
 
 def test_atomic_folder_write_keeps_the_old_folder_on_failure_and_cleans_leftovers(tmp_path):

@@ -43,6 +43,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from dflash_hf.fileio import PICKLE_SUFFIXES, discard, set_ordinary_mode
 
 OPTIMIZER_NAME = "optimizer"
+_MAX_HEADER_BYTES = 100 << 20  # safetensors' own bound on a header
 SCHEDULER_NAME = "scheduler"
 SCALER_NAME = "scaler"
 TRAINING_ARGS_NAME = "training_args.json"
@@ -209,12 +210,35 @@ def _weights_problem(folder: Path) -> str | None:
     return f"no {missing[0]} (a shard its index names)" if missing else None
 
 
+def _safetensors_problem(path: Path) -> str | None:
+    """Why the safetensors file `path` is not whole (a header that does not parse, a size other than its header says:
+    a write cut short), read from its header alone."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            if not 0 < length <= min(size - 8, _MAX_HEADER_BYTES):
+                return f"{path.name} is truncated (no whole header)"
+            header = json.loads(handle.read(length))
+        ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
+        return f"{path.name} has an unreadable header"
+    if size != 8 + length + max(ends, default=0):
+        return f"{path.name} is truncated ({size} bytes, its header says {8 + length + max(ends, default=0)})"
+    return None
+
+
 def checkpoint_problem(folder: str | os.PathLike) -> str | None:
-    """Why `folder` is not a complete checkpoint (no weights, no readable trainer state), or `None` when it is."""
+    """Why `folder` is not a complete checkpoint (no weights, a safetensors file cut short, no readable trainer
+    state), or `None` when it is."""
     folder = Path(folder)
     problem = _weights_problem(folder)
     if problem is not None:
         return problem
+    for path in sorted(folder.glob("*.safetensors")):
+        problem = _safetensors_problem(path)
+        if problem is not None:
+            return problem
     try:
         TrainerState.load_from_json(str(folder / TRAINER_STATE_NAME))
     except FileNotFoundError:
