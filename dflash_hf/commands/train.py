@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..cli_settings import read_config
+
 TRAIN_EXPORT_FORMATS = ("dflash-hf", "official")  # what `train` writes itself; `dflash-hf export` writes the rest
 
 
@@ -98,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     parser = _trl_parser()
-    argv = list(getattr(args, "train_argv", []))
+    argv = _checked_recipe_argv(list(getattr(args, "train_argv", [])))
     if getattr(args, "train_help", False):
         parser.print_help()
         return 0
@@ -134,6 +136,23 @@ def _resolve_resume(value, output_dir: str):
         raise ValueError(f"--resume_from_checkpoint {value!r} is not a checkpoint folder.")
     check_complete_checkpoint(value)
     return value
+
+
+def _checked_recipe_argv(argv: list[str]) -> list[str]:
+    """`argv` with its `--config` recipe checked as every command's settings file is (`cli_settings.read_config`: a
+    regular file of at most 1 MiB holding a mapping, nesting bounded; one error line otherwise) before TRL's parser
+    reads it, and `--config=FILE` spelled `--config FILE`, the form that parser takes."""
+    words = []
+    for word in argv:
+        words += word.split("=", 1) if word.startswith("--config=") else [word]
+    places = [i for i, word in enumerate(words) if word == "--config"]
+    if len(places) > 1:
+        raise ValueError("--config is given more than once: name one recipe (flags override its keys).")
+    if places:
+        if places[0] + 1 >= len(words):
+            raise ValueError("--config needs a recipe file: --config FILE.yaml.")
+        read_config(words[places[0] + 1])
+    return words
 
 
 def train(script: DFlashScriptArguments, config) -> dict:

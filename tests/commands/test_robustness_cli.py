@@ -9,6 +9,8 @@ Everything runs offline on the tiny random models of `testing_utils.py`.
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -256,3 +258,27 @@ def test_train_on_a_random_target_asks_for_its_hub_id_without_calling_it_a_folde
     assert code == 2 and len(errors) == 1, errors
     assert "names no Hub id (a local folder or a random target): pass --base_model org/name" in errors[0]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda path: os.mkfifo(path), "is not a regular file"),
+        (lambda path: path.write_text("a: " + "[" * 20_000 + "]" * 20_000), "nested too deeply|not a valid YAML"),
+        (lambda path: path.write_text("target: x\n" + "#" * (2 << 20)), "is larger than"),
+        (lambda path: path.write_text("- a\n- b\n"), "holds no mapping"),
+    ],
+    ids=["fifo", "nested", "huge", "a list"],
+)
+def test_train_config_is_read_as_every_settings_file(tmp_path, capsys, make, message):
+    cli_main = cli.main
+    """`train --config` (and `--config=FILE`) goes through the same bounded reader as the other commands: one error
+    line, no blocked read, no traceback."""
+    recipe = tmp_path / "recipe.yaml"
+    make(recipe)
+    for argv in (["train", "--config", str(recipe)], ["train", f"--config={recipe}"]):
+        assert cli_main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: --config") and re.search(message, err[0]), err
+    assert cli_main(["train", "--config", str(tmp_path / "a.yaml"), "--config", str(tmp_path / "b.yaml")]) == 2
+    assert "more than once" in capsys.readouterr().err
