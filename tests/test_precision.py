@@ -69,7 +69,36 @@ def test_bf16_engine_equals_plain_bf16_greedy(family, block_size):
         if not row_exact.install(target, 8):
             pytest.skip("this CPU's bf16 kernels cannot be made row-exact for this target (install says so)")
         assert torch.equal(out, expected)
-    assert target.config._attn_implementation == row_exact.ATTENTION_NAME
+    assert target.config._attn_implementation == "sdpa"  # the user's model is given back its attention
+
+
+def test_after_an_eager_bf16_call_the_model_compiles_whole_and_a_compiled_bf16_call_warns():
+    """Row-exact attention is the target's inside the engine's calls only: afterwards dynamo traces the model's own
+    `sdpa` in one graph; a compiled call in bf16 on CPU (not row-exact) says that it may drift."""
+    from torch._dynamo.testing import CompileCounter
+    from transformers import CompileConfig
+
+    class Counter(CompileCounter):
+        def __deepcopy__(self, memo):
+            return self
+
+    target = _bf16_target("llama")
+    drafter = make_drafter(target).to(torch.bfloat16)
+    prompt = torch.tensor([PROMPTS[1]])
+    generate(target, drafter, prompt, max_new_tokens=8, do_sample=False)
+    assert target.config._attn_implementation == "sdpa"
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(target.model, backend=CompileCounter(), fullgraph=True)
+        compiled(prompt)  # a graph break (row-exact attention's context variable) would raise here
+        with pytest.warns(UserWarning, match="compile=True verifies blocks in compiled bfloat16 forwards"):
+            generate(
+                target, drafter, prompt, max_new_tokens=8, do_sample=False,
+                compile=CompileConfig(backend=Counter(), mode=None, fullgraph=True),
+            )
+    finally:
+        torch._dynamo.reset()
+    assert target.config._attn_implementation == "sdpa"
 
 
 @pytest.mark.parametrize("prompt_length", [15, 19])
@@ -110,7 +139,9 @@ def test_quirky_linear_is_detected_and_recomputed_row_by_row():
     target.set_attn_implementation(row_exact.ATTENTION_NAME)
     assert not row_exact.block_rows_match_decode(target, 4)  # attention alone does not fix the linear
     assert row_exact.install(target, 4)
-    assert all(getattr(layer.mlp.down_proj, "_row_exact_hooked", False) for layer in target.get_decoder().layers)
+    with row_exact.attention(target):  # the hooks are the target's inside the engine's calls only
+        assert all(getattr(layer.mlp.down_proj, "_row_exact_hooked", False) for layer in target.get_decoder().layers)
+    assert not any(getattr(layer.mlp.down_proj, "_row_exact_hooked", False) for layer in target.get_decoder().layers)
     assert row_exact.block_rows_match_decode(target, 4, seed=5)
 
 

@@ -96,7 +96,7 @@ def measure_costs(
     block_sizes = forwards.block_sizes(token_counts)
     products = comparisons and 1 in token_counts  # the matmul floor needs a 1-token step
     kinds = {"target": forwards.target_calls(token_counts)}
-    if comparisons and uses_grouped_attention(target):
+    if comparisons and not forwards.row_exact and uses_grouped_attention(target):  # row-exact attention is left alone
         kinds["stock"] = forwards.target_calls(tuple(k for k in token_counts if k > 1), stock=True)
     if products:
         kinds["matmul"] = _matmul_calls(target, adapter.logits, adapter.hidden_size, list(token_counts), generator)

@@ -24,6 +24,7 @@ from ..modeling import DFlashDraftModel
 from ..runtime import Stopwatch
 from ..special_tokens import first_token_id
 from ..target.adapter import TargetAdapter
+from ..target import row_exact
 from ..target.grouped_attention import grouped_attention
 from .acceptance import DEFAULT_SAMPLING_PROPOSAL
 from .block_size import BlockSizePolicy, make_block_size_policy
@@ -174,7 +175,8 @@ class GenerationCall:
             # compiled forwards keep Transformers' own attention: the engine's CPU kernels are chosen per call
             target_kernels = contextlib.nullcontext() if self.compile_config else grouped_attention(self.adapter.target)
             draft_kernels = contextlib.nullcontext() if self.compile_config else grouped_attention(self.drafter)
-            with target_kernels, draft_kernels:
+            exact = row_exact.attention(self.adapter.target) if self.verifier.row_exact else contextlib.nullcontext()
+            with exact, target_kernels, draft_kernels:
                 state = self._prefill()
                 self.sequences.stream()
                 while state.rows:

@@ -58,6 +58,14 @@ class Verifier:
         self.adapter, self.cache, self.choice, self.timer = adapter, cache, choice, timer
         self.verify_width, self.compile_config = verify_width, compile_config
         self.row_exact = compile_config is None and row_exact_verification(adapter.target, verify_width)
+        target = adapter.target
+        if compile_config is not None and target.device.type == "cpu" and target.dtype != torch.float32:
+            warnings.warn(
+                f"compile=True verifies blocks in compiled {str(target.dtype).replace('torch.', '')} forwards, which on "
+                "a CPU do not give each token the bits of a one-token step: the output may drift from plain greedy "
+                "decoding. The eager engine (compile=False) verifies row-exact and is exact in this precision.",
+                stacklevel=6,
+            )
         self.sliding_window = sliding_window_of(adapter.target.config)
         self.keys = cache.layers[0].max_cache_len if compile_config is not None else None
 

@@ -8,8 +8,9 @@ that a block-verified answer drifts away from plain greedy decoding within a few
 
 The cure here is in two parts:
 
-* Attention: [`install`] switches a target from `sdpa` to [`ATTENTION_NAME`], which *is* `sdpa` (same function,
-  same masks) except inside [`verification`]: there each query row is attended on its own, over exactly the keys a
+* Attention: inside an [`attention`] block (the engine's calls) a target that [`install`] probed runs
+  [`ATTENTION_NAME`] instead of `sdpa`; outside every such block the user's model is as it was. It *is* `sdpa` (same
+  function, same masks) except inside [`verification`]: there each query row is attended on its own, over exactly the keys a
   one-token step at that position would see, with the mask that step would get (`None` when nothing is masked). The
   per-row calls then have the shapes of decode steps and give their bits. A tree verify (`engine.tree`, the
   prompt-lookup branch) is handled the same way: each node attends over the cache and its own ancestors, gathered in
@@ -19,7 +20,8 @@ The cure here is in two parts:
   gives a row the same bits whatever the number of rows. That depends on the CPU, the weight shape and the kernels
   torch picks (on an AMD EPYC with avx512_bf16, SmolLM2's 1536 -> 576 `down_proj` differs, its other linears do not),
   so [`install`] measures every linear shape and recomputes only the ones that differ row by row inside a
-  verification, then checks the whole target with [`block_rows_match_decode`], bit for bit.
+  verification (forward hooks, attached within [`attention`] blocks only), then checks the whole target with
+  [`block_rows_match_decode`], bit for bit.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -43,6 +46,10 @@ ATTENTION_NAME = "row_exact_sdpa"
 # target -> (largest block probed, whether its verify forwards were bit-exact)
 _INSTALLED: "weakref.WeakKeyDictionary[PreTrainedModel, tuple[int, bool]]" = weakref.WeakKeyDictionary()
 _INSTALL_LOCK = threading.RLock()
+# target -> open [`attention`] blocks and the attention it had before them; its linears recomputed row by row, and their hooks while attached
+_USERS: "weakref.WeakKeyDictionary[PreTrainedModel, tuple[int, str]]" = weakref.WeakKeyDictionary()
+_ROW_BY_ROW: "weakref.WeakKeyDictionary[PreTrainedModel, list[nn.Module]]" = weakref.WeakKeyDictionary()
+_HANDLES: "weakref.WeakKeyDictionary[PreTrainedModel, list]" = weakref.WeakKeyDictionary()
 
 
 def _row_exact_sdpa(
@@ -163,9 +170,9 @@ def _one_row_at_a_time(module: torch.nn.Linear, args: tuple, output: torch.Tenso
 def install(target: PreTrainedModel, max_rows: int) -> bool:
     """Make `target`'s verify forwards of up to `max_rows` tokens give each row its one-token-step bits, if it can.
 
-    Switches `sdpa` attention to [`ATTENTION_NAME`] and, for every linear-layer shape of the decoder whose kernel
-    gives a row different bits inside a multi-row call (measured here, on this machine), adds a forward hook that
-    recomputes it row by row inside [`verification`]. Outside [`verification`] the target computes exactly as
+    Probes `sdpa` attention as [`ATTENTION_NAME`] (which the target then runs inside [`attention`] blocks) and, for
+    every linear-layer shape of the decoder whose kernel gives a row different bits inside a multi-row call
+    (measured here, on this machine), adds a forward hook that recomputes it row by row inside [`verification`]. Outside [`verification`] the target computes exactly as
     before. The LM head is probed (and hooked) the same way. Then checks the whole target with
     [`block_rows_match_decode`] and returns the result (`False` also for attention implementations other than `sdpa`,
     which are left alone). Installing again for as many rows or fewer returns the first result.
@@ -189,25 +196,86 @@ def install_if_needed(target: PreTrainedModel, max_rows: int) -> bool | None:
 
 
 def _install(target: PreTrainedModel, max_rows: int) -> bool:
-    """[`install`] without its cache and lock."""
+    """[`install`] without its cache and lock; the target runs [`ATTENTION_NAME`] and the row-by-row hooks only while
+    it is probed (and inside [`attention`] blocks)."""
     current = getattr(target.config, "_attn_implementation", None)
-    if current == "sdpa":
-        target.set_attn_implementation(ATTENTION_NAME)
-    if target.config._attn_implementation != ATTENTION_NAME:
+    if current not in ("sdpa", ATTENTION_NAME):
         return False
+    target.set_attn_implementation(ATTENTION_NAME)
+    try:
+        _ROW_BY_ROW[target] = _linears_to_recompute(target, max_rows)
+        _hook(target)
+        return block_rows_match_decode(target, max_rows)
+    finally:
+        if not _USERS.get(target):
+            _unhook(target)
+        if current == "sdpa" and target.config._attn_implementation == ATTENTION_NAME:
+            target.set_attn_implementation("sdpa")
+
+
+@contextlib.contextmanager
+def attention(target: PreTrainedModel) -> Iterator[None]:
+    """Within this block a target [`install`] made row-exact runs [`ATTENTION_NAME`] and the row-by-row hooks of its
+    linears (outside [`verification`] both compute as `sdpa` and the plain linears do); outside every such block the
+    user's model is back as it was, for its own calls, other threads' and `torch.compile`. Blocks may overlap across
+    threads: the model goes back when the last one ends."""
+    with _INSTALL_LOCK:
+        users, before = _USERS.get(target, (0, None))
+        if users == 0:
+            before = target.config._attn_implementation
+        switch = users > 0 or (target in _INSTALLED and before in ("sdpa", ATTENTION_NAME))
+        if switch:
+            if users == 0:
+                target.set_attn_implementation(ATTENTION_NAME)
+                _hook(target)
+            _USERS[target] = (users + 1, before)
+    try:
+        yield
+    finally:
+        if switch:
+            with _INSTALL_LOCK:
+                users, before = _USERS[target]
+                _USERS[target] = (users - 1, before)
+                if users == 1:
+                    del _USERS[target]
+                    _unhook(target)
+                    if target.config._attn_implementation == ATTENTION_NAME:  # unless someone switched it meanwhile
+                        target.set_attn_implementation(before)
+
+
+def _linears_to_recompute(target: PreTrainedModel, max_rows: int) -> list[nn.Module]:
+    """The decoder's linears (and the LM head) whose kernel gives a row other bits inside a multi-row call, measured
+    per weight shape on this machine."""
     generator = torch.Generator().manual_seed(0)
     verdicts: dict[tuple, bool] = {}
-    head = target.get_output_embeddings()
-    for module in [*target.get_decoder().modules(), head]:
+    modules = []
+    for module in [*target.get_decoder().modules(), target.get_output_embeddings()]:
         if not isinstance(module, nn.Linear):
             continue
         shape = (tuple(module.weight.shape), module.weight.dtype, module.bias is not None)
         if shape not in verdicts:
             verdicts[shape] = _rows_match(module, max_rows, generator)
-        if not verdicts[shape] and not getattr(module, "_row_exact_hooked", False):
-            module.register_forward_hook(_one_row_at_a_time)
+        if not verdicts[shape]:
+            modules.append(module)
+    return modules
+
+
+def _hook(target: PreTrainedModel) -> None:
+    """Make the linears [`_linears_to_recompute`] found recompute multi-row calls row by row inside
+    [`verification`]."""
+    handles = _HANDLES.setdefault(target, [])
+    for module in _ROW_BY_ROW.get(target, []):
+        if not getattr(module, "_row_exact_hooked", False):
+            handles.append(module.register_forward_hook(_one_row_at_a_time))
             module._row_exact_hooked = True
-    return block_rows_match_decode(target, max_rows)
+
+
+def _unhook(target: PreTrainedModel) -> None:
+    """Give the linears back their own forward."""
+    for handle in _HANDLES.pop(target, []):
+        handle.remove()
+    for module in _ROW_BY_ROW.get(target, []):
+        module._row_exact_hooked = False
 
 
 def head_is_hooked(head: nn.Module) -> bool:
@@ -245,7 +313,7 @@ def block_rows_match_decode(target: PreTrainedModel, block_size: int, context: i
         return cache
 
     engine_cache = prefilled(DynamicCache())
-    with verification():
+    with attention(target), verification():
         block = target(ids[:, context:], use_cache=True, **{cache_kwarg: engine_cache}).logits[0]
     cache = prefilled(DynamicCache(config=target.config))
     steps = [
