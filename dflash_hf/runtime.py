@@ -3,11 +3,12 @@ wait for the device, available CPUs, and modules' compiled calls."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -174,14 +175,87 @@ _COMPILED_LOCK = threading.Lock()
 
 def compiled_call(module: torch.nn.Module, compile_config: CompileConfig) -> Callable:
     """`module.__call__` compiled with `compile_config` (compiled once, kept while the config stays the same, as
-    Transformers' `get_compiled_call` keeps a generating model's). Dynamo's recompile limit is raised to
-    [`COMPILED_SHAPES`] for the process, never lowered: a limit set around each call would be put back by one thread
-    while another compiles, and a frame over the limit runs eagerly from then on."""
+    Transformers' `get_compiled_call` keeps a generating model's), run alone ([`forwards_alone`]). Dynamo's recompile
+    limit is raised to [`COMPILED_SHAPES`] for the process, never lowered: a limit set around each call would be put
+    back by one thread while another compiles, and a frame over the limit runs eagerly from then on."""
     with _COMPILED_LOCK:
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, COMPILED_SHAPES)
         held = getattr(module, _COMPILED_ATTRIBUTE, None)
         if held is None or held[0] != compile_config:
-            held = (compile_config, torch.compile(module.__call__, **compile_config.to_dict()))
+            compiled = torch.compile(module.__call__, **compile_config.to_dict())
+
+            def alone(*args, **kwargs):
+                with _FORWARDS.exclusive(), _stock_attention(module):
+                    return compiled(*args, **kwargs)
+
+            held = (compile_config, alone)
             setattr(module, _COMPILED_ATTRIBUTE, held)
     return held[1]
+
+
+# the engine's own `sdpa` variants (`target.attention_registry`): a model an eager call of another thread switched to
+# one is traced on `sdpa` itself, whose graph holds no context variable
+SDPA_VARIANTS: set[str] = set()
+
+
+@contextlib.contextmanager
+def _stock_attention(module: torch.nn.Module) -> Iterator[None]:
+    """`module` on `sdpa` within this block where it runs one of [`SDPA_VARIANTS`] (no other forward runs meanwhile:
+    [`_ForwardsGuard.exclusive`])."""
+    config = getattr(module, "config", None)
+    current = getattr(config, "_attn_implementation", None)
+    switch = current in SDPA_VARIANTS and hasattr(module, "set_attn_implementation")
+    if switch:
+        module.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        if switch:
+            module.set_attn_implementation(current)
+
+
+class _ForwardsGuard:
+    """Compiled forwards one at a time, and never beside an eager one; eager forwards beside each other freely.
+
+    Transformers' collector of a forward's hidden states (`output_capturing`) is a context variable, except while a
+    compiled forward runs: dynamo cannot trace one, so it is then one global for the whole process, and a forward in
+    another thread would read or clear another call's collector."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._eager = 0
+        self._compiled = False
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._condition:
+            self._condition.wait_for(lambda: not self._compiled and self._eager == 0)
+            self._compiled = True
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._compiled = False
+                self._condition.notify_all()
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._condition:
+            self._condition.wait_for(lambda: not self._compiled)
+            self._eager += 1
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._eager -= 1
+                self._condition.notify_all()
+
+
+_FORWARDS = _ForwardsGuard()
+
+
+def forwards_alone() -> contextlib.AbstractContextManager[None]:
+    """Within this block an eager forward of the engine never runs beside a compiled one ([`compiled_call`]), in any
+    thread (eager ones run beside each other)."""
+    return _FORWARDS.shared()

@@ -18,6 +18,7 @@ verify, which the engine's row-exact set-up, `dflash-hf generate` and the bench 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -27,7 +28,7 @@ from transformers.cache_utils import Cache
 from transformers.generation.configuration_utils import CompileConfig
 
 from ..modeling.modeling_dflash import key_positions
-from ..runtime import Stopwatch, compiled_call
+from ..runtime import Stopwatch, compiled_call, forwards_alone
 from ..target.adapter import TargetAdapter, TargetStep
 from .cache_ops import drop_leading, truncate_cache
 from .draft_tree import DEFAULT_TREE_NODES, DraftTree, DraftTreeSearch, pack_trees
@@ -215,14 +216,15 @@ class DFlashChain:
                 call = compiled_call(self.drafter, self.compile_config)
             mask = self.static_mask(state, block, hidden)
         position_ids = torch.cat([context_pos, block_pos], dim=1)
-        out = call(
-            noise_embeds=self.adapter.embed(noise_ids),
-            context_hidden_states=context,
-            position_ids=position_ids,
-            attention_mask=mask,
-            cache=self.cache,
-            **self.key_positions(state, position_ids, block),
-        )
+        with forwards_alone() if call is self.drafter else contextlib.nullcontext():
+            out = call(
+                noise_embeds=self.adapter.embed(noise_ids),
+                context_hidden_states=context,
+                position_ids=position_ids,
+                attention_mask=mask,
+                cache=self.cache,
+                **self.key_positions(state, position_ids, block),
+            )
         truncate_cache(self.cache, state.mask.shape[1] - self.dropped)
         self._forget_past_the_window(state)
         hidden_states = out.last_hidden_state[:, 1:]

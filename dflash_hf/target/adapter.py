@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache
 from transformers.generation.configuration_utils import CompileConfig
 
 from ..modeling import DFlashDraftModel
-from ..runtime import compiled_call
+from ..runtime import compiled_call, forwards_alone
 from ..transformers_compat import cache_keyword
 from . import row_exact
 from .grouped_attention import grouped_attention, uses_grouped_attention
@@ -270,14 +270,15 @@ class TargetAdapter:
         a later replay of its CUDA graphs does not overwrite.
         """
         call = self.base_model if compile_config is None else compiled_call(self.base_model, compile_config)
-        outputs = call(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=True,
-            output_hidden_states=self._hidden_state_indices,
-            **{self._cache_kwarg: cache},
-        )
+        with forwards_alone() if compile_config is None else contextlib.nullcontext():
+            outputs = call(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=True,
+                output_hidden_states=self._hidden_state_indices,
+                **{self._cache_kwarg: cache},
+            )
         hidden_states = outputs.hidden_states
         tapped = torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
         last = outputs.last_hidden_state if compile_config is None else outputs.last_hidden_state.clone()

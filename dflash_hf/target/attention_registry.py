@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..runtime import SDPA_VARIANTS
+
 
 class SdpaVariant:
     """An attention function with `sdpa`'s signature, registered under `name` with Transformers'
@@ -26,6 +28,7 @@ class SdpaVariant:
                 "another name."
             )
         self.name = name
+        SDPA_VARIANTS.add(name)
         self._flag = contextvars.ContextVar(f"{name}_flag", default=False)
         AttentionInterface.register(name, attention)
         AttentionMaskInterface.register(name, sdpa_mask)

@@ -240,3 +240,36 @@ def test_calls_reuse_their_static_caches_emptied():
         assert len(set(taken)) == 4
     finally:
         del pool.take
+
+
+def test_compiled_and_eager_calls_in_threads_stay_exact():
+    """Transformers' hidden-state collector is one global for the process while a compiled forward runs: compiled
+    calls run one at a time and never beside an eager forward, so calls on one model from several threads, compiled
+    and eager, all return plain greedy's tokens (no IndexError, no collector read across threads)."""
+    import threading
+
+    target = make_target("qwen3")
+    drafter = make_drafter(target)
+    prompts = [_prompt(seed, 9) for seed in range(4)]
+    references = [greedy_reference(target, prompt, max_new_tokens=MAX_NEW) for prompt in prompts]
+    config, _ = _compile_config()
+    _generate(target, drafter, prompts[0], compile=config)  # compiled once before the threads start
+    results, errors = {}, []
+
+    def run(i: int, compiled: bool) -> None:
+        try:
+            for _ in range(2):
+                out = _generate(target, drafter, prompts[i], **({"compile": config} if compiled else {}))
+                results.setdefault((i, compiled), []).append(out.sequences)
+        except Exception as err:  # noqa: BLE001 - reported below with its thread
+            errors.append((i, compiled, repr(err)))
+
+    threads = [threading.Thread(target=run, args=(i, i % 2 == 0)) for i in range(4)]
+    threads += [threading.Thread(target=run, args=(i, i % 2 == 1)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for (i, _), outs in results.items():
+        assert all(torch.equal(out, references[i]) for out in outs), i

@@ -100,7 +100,7 @@ def test_switch_is_scoped_shared_across_threads_and_leaves_other_attention_alone
         assert eager.config._attn_implementation == "eager"
     exact = make_target("llama").to(torch.bfloat16)
     row_exact.install(exact, 4)
-    with grouped_attention(exact):
+    with row_exact.attention(exact), grouped_attention(exact):  # an engine call's row-exact attention: left alone
         assert exact.config._attn_implementation == row_exact.ATTENTION_NAME
     with grouped_attention(target):
         target.set_attn_implementation("eager")  # switched by someone else meanwhile: kept
