@@ -139,9 +139,19 @@ def test_compile_runs_the_compiled_engine_and_compares_with_static_greedy(folder
         configs.append(value)
         return CompileConfig(backend="eager", mode=None, fullgraph=True) if value else None
 
+    import dflash_hf.commands.generate as generate_command
+
+    calls, real_generate = [], generate_command.generate
+
+    def recorded(target, drafter, input_ids, **kwargs):
+        calls.append((input_ids.shape[1], kwargs["max_new_tokens"]))
+        return real_generate(target, drafter, input_ids, **kwargs)
+
     monkeypatch.setattr(generation_call, "compile_config_of", eager_config)
+    monkeypatch.setattr(generate_command, "generate", recorded)
     code, out, err = _generate(capsys, folders, "the cat sat", 12, "--compile", "--compare", "--dtype", "float32")
     assert code == 0 and configs == [True, True]  # the warm-up and the timed call
+    assert calls[0] == calls[1]  # the warm-up runs every shape the timed call runs
     match = _summary(out, COMPARE)
     assert match.group(2) == "greedy, static cache" and match.group(4) == "yes"
 
