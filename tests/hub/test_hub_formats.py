@@ -186,6 +186,10 @@ def test_official_export_layout(qwen_pair, tmp_path):
         assert getattr(qwen3, key) == getattr(target.config, key), key
     assert qwen3.rope_parameters["rope_theta"] == config["rope_theta"] == target.config.rope_parameters["rope_theta"]
     assert set(load_file(folder / "model.safetensors")) == set(drafter.state_dict())
+    # without remote code Transformers reads `model_type: qwen3` as a plain Qwen3Model, silently: the card says so
+    assert "Load it with `trust_remote_code=True`" in (folder / "README.md").read_text()
+    assert config["layer_types"] == ["full_attention"] * drafter.config.num_hidden_layers
+    assert config["use_sliding_window"] is False and "is_causal" not in config
 
 
 def test_round_trip_dflash_hf_official_dflash_hf_is_bit_identical(qwen_pair, tmp_path):
