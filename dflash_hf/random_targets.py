@@ -97,6 +97,56 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
         bos_token_id=2,
         eos_token_id=106,
     ),
+    "qwen3-coder-30b-a3b": dict(
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        vocab_size=151936,
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0},
+        tie_word_embeddings=False,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    ),
+    "gpt-oss-20b": dict(
+        model_type="gpt_oss",
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        attention_bias=True,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 12,
+        vocab_size=201088,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096,
+        },
+        tie_word_embeddings=False,
+        bos_token_id=199998,
+        eos_token_id=200002,
+        pad_token_id=199999,
+    ),
     # Qwen3-8B's layout at a size the tests run in a blink
     "tiny-qwen3": {
         **_QWEN3_8B,
@@ -111,6 +161,17 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
         "eos_token_id": 511,
     },
 }
+# the mixture-of-experts shapes scaled down the same way: their own routers, 4 experts, 2 per token
+_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, vocab_size=512, bos_token_id=510, eos_token_id=511)  # fmt: skip
+RANDOM_SHAPES["tiny-qwen3-moe"] = {
+    **RANDOM_SHAPES["qwen3-coder-30b-a3b"], **_TINY, "moe_intermediate_size": 32, "num_experts": 4,
+    "num_experts_per_tok": 2, "max_position_embeddings": 4096,
+}  # fmt: skip
+RANDOM_SHAPES["tiny-gpt-oss"] = {
+    **RANDOM_SHAPES["gpt-oss-20b"], **_TINY, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16,
+    "layer_types": ["sliding_attention", "full_attention"] * 4, "pad_token_id": 509,
+}  # fmt: skip
 """The shapes of the random targets, by the name after `random:` (the public models' `config.json` values)."""
 
 # GPT-2's pre-tokenizer pattern, with Python's `re` classes: contractions, words, 1-3 digits, punctuation, spaces

@@ -19,6 +19,8 @@ import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
@@ -55,6 +57,17 @@ COMMON = dict(
 )
 GEMMA_SLIDING_WINDOW = 8
 FAMILIES = ["qwen3", "qwen2", "llama", "gemma3"]
+# mixture-of-experts targets (Qwen3-Coder-30B-A3B, gpt-oss, MiniMax-M2): their families' own routers and experts
+MOE_FAMILIES = {
+    "qwen3_moe": dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1),
+    "gpt_oss": dict(
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=GEMMA_SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+    ),
+    "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2),
+}
 
 
 def make_target_config(family: str, vocab_size: int = VOCAB, tie_word_embeddings: bool = False):
@@ -67,6 +80,8 @@ def make_target_config(family: str, vocab_size: int = VOCAB, tie_word_embeddings
         return Qwen2Config(**common, max_window_layers=COMMON["num_hidden_layers"])
     if family == "llama":
         return LlamaConfig(**common)
+    if family in MOE_FAMILIES:  # mixture-of-experts targets: 4 experts, 2 per token, routers as their families have
+        return AutoConfig.for_model(family, **common, **MOE_FAMILIES[family])
     if family == "gemma3":
         return Gemma3TextConfig(
             **common,
@@ -87,9 +102,12 @@ def make_target(
 ):
     torch.manual_seed(seed)
     config = make_target_config(family, vocab_size, tie_word_embeddings)
-    config._attn_implementation = attn_implementation
+    config._attn_implementation = "eager" if family == "gpt_oss" else attn_implementation  # its sinks: eager only
     classes = {"qwen3": Qwen3ForCausalLM, "qwen2": Qwen2ForCausalLM, "llama": LlamaForCausalLM}
-    model = classes.get(family, Gemma3ForCausalLM)(config).eval()
+    if family in MOE_FAMILIES:
+        model = AutoModelForCausalLM.from_config(config).eval()
+    else:
+        model = classes.get(family, Gemma3ForCausalLM)(config).eval()
     with torch.no_grad():  # biases start at zero: make them matter
         for name, parameter in model.named_parameters():
             if name.endswith("_proj.bias"):

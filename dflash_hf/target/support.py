@@ -18,6 +18,9 @@ _TARGET_TYPES: dict[str, tuple[str, str | None]] = {
     "llama": ("LLaMA (incl. SmolLM2)", "llama"),
     "mistral": ("Mistral", None),
     "gemma3_text": ("Gemma 3 (text)", "gemma"),
+    "qwen3_moe": ("Qwen3-MoE (Qwen3-Coder-30B-A3B)", "qwen"),
+    "gpt_oss": ("GPT-OSS", None),
+    "minimax_m2": ("MiniMax-M2", None),
 }
 SUPPORTED_TARGET_TYPES: dict[str, str] = {model_type: name for model_type, (name, _) in _TARGET_TYPES.items()}
 TARGET_FAMILIES: dict[str, str] = {model_type: family for model_type, (_, family) in _TARGET_TYPES.items() if family}
