@@ -56,6 +56,18 @@ SPECULATORS_ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraf
 
 def check_speculators_target(config: DFlashConfig, target: PreTrainedModel) -> None:
     """Raise a `ValueError` when speculators' DFlash model cannot reproduce this drafter on `target`."""
+    if config.is_dflash2:
+        raise ValueError(
+            "The speculators format has no DFlash 2 (convolutions and a candidate selector): export in the official "
+            "layout, which vLLM and SGLang read, or as GGUF for llama.cpp."
+        )
+    restricted = config.restricts_attention or any(kind != "full_attention" for kind in config.layer_types)
+    scaled = config.input_embedding_scale not in (None, 1.0) or float(config.output_multiplier) != 1.0
+    if restricted or scaled or config.final_logit_softcapping:
+        raise ValueError(
+            "The speculators format has no sliding-window or block-causal draft layers, nor a drafter's own embedding "
+            "scale, logit multiplier or softcap, which this drafter uses: export in the official layout instead."
+        )
     text_config = target.config.get_text_config(decoder=True)
     scale = getattr(target.get_input_embeddings(), "embed_scale", None)
     if scale is not None and float(torch.as_tensor(scale).float().item()) != 1.0:

@@ -110,4 +110,16 @@ def test_targets_speculators_cannot_express_are_refused(tmp_path):
         export(make_drafter(llama, target_layer_ids=[1, last]), tmp_path / "last", llama)
     with pytest.raises(ValueError, match="target's weights"):
         export(make_drafter(llama), tmp_path / "config-only", llama.config)
+    dflash2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+    with pytest.raises(ValueError, match="no DFlash 2"):
+        export(make_drafter(llama, **dflash2), tmp_path / "dflash2", llama)
+    for layout in (
+        dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8),
+        dict(is_causal=True),
+        dict(output_multiplier=0.5),
+        dict(input_embedding_scale=2.0),
+        dict(final_logit_softcapping=10.0),
+    ):
+        with pytest.raises(ValueError, match="no sliding-window or block-causal draft layers"):
+            export(make_drafter(llama, **layout), tmp_path / "layout", llama)
     assert not any(tmp_path.iterdir())
