@@ -10,7 +10,7 @@ import pytest
 import torch
 from testing_utils import make_drafter, make_target
 
-from dflash_hf import DFlashConfig
+from dflash_hf import DFlashConfig, DFlashDraftModel
 from dflash_hf.modeling.modeling_dflash import block_structure_mask, key_positions
 
 OFFICIAL = {
@@ -158,3 +158,31 @@ def test_the_native_path_says_which_scales_it_does_not_apply():
     with pytest.warns(UserWarning, match="does not apply this drafter's output_multiplier"):
         native = target.generate(prompt, assistant_model=drafter, speculation_type="dflash", max_new_tokens=6, do_sample=False)
     assert torch.equal(native, target.generate(prompt, max_new_tokens=6, do_sample=False))
+
+
+@pytest.mark.parametrize(
+    ("tamper", "message"),
+    [
+        (lambda w: w.update({"candidate_selector.successor_codebook": torch.zeros(64, 5)}), "has shape \\(64, 5\\)"),
+        (lambda w: w.pop("candidate_selector.predecessor_codebook"), "missing tensors"),
+        (lambda w: w.update({"layers.0.attention_conv.base_kernel": torch.zeros(2, 3, 64)}), "has shape \\(2, 3, 64\\)"),
+        (lambda w: w.update({"candidate_selector.extra": torch.zeros(2)}), "unexpected tensors"),
+    ],
+    ids=["codebook-shape", "codebook-missing", "conv-taps", "extra-tensor"],
+)
+def test_dflash2_files_that_do_not_match_their_config_are_refused(tmp_path, tamper, message):
+    """Published-style files (codebooks without `.weight`) with a tensor of the wrong shape, missing or extra: a
+    `ValueError` naming it, never a drafter with re-initialised parts."""
+    from safetensors.torch import load_file, save_file
+
+    target = make_target("qwen3")
+    drafter = make_drafter(target, conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+    drafter.save_pretrained(tmp_path)
+    weights = {
+        name.removesuffix(".weight") if "_codebook" in name else name: tensor
+        for name, tensor in load_file(tmp_path / "model.safetensors").items()
+    }
+    tamper(weights)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=message):
+        DFlashDraftModel.from_pretrained(tmp_path)
