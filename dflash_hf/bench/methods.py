@@ -83,6 +83,7 @@ def default_methods(
     trained = int(drafter.config.block_size)
     static = (compile or target.device.type == "cuda") if static_baseline is None else static_baseline
     rows = _transformers_rows(uses_engine_kernels(target), static, trained, prompt_lookup_num_tokens)
+    draft_tree = draft_tree and not drafter.config.is_dflash2  # a DFlash 2 drafter's selector grows no trees
     rows += _engine_rows(sizes, trained, adaptive, lookup_branch, [int(n) for n in lookup_tokens], draft_tree)
     return [_method(target, drafter, row, compile) for row in rows]
 
@@ -102,6 +103,7 @@ def drafter_methods(
     [<tag>]`, each compared with the run's plain greedy: several drafters side by side in one run (`compile`: as
     there)."""
     sizes = _checked_sizes(drafter, block_sizes, lookup_tokens)
+    draft_tree = draft_tree and not drafter.config.is_dflash2  # a DFlash 2 drafter's selector grows no trees
     rows = _engine_rows(
         sizes, int(drafter.config.block_size), adaptive, lookup_branch, [int(n) for n in lookup_tokens], draft_tree
     )

@@ -899,3 +899,15 @@ def test_compile_runs_every_engine_row_compiled_beside_the_static_baseline(setup
     for method in engine:
         if not method.name.endswith(("_argmax", "_sample")):
             assert _method(result, method.name).summary.exact, method.name
+
+
+def test_a_dflash2_drafter_gets_no_draft_tree_rows():
+    """Its candidate selector chooses each slot's token, so the bench leaves out the draft-tree rows it would refuse."""
+    target = make_target("llama")
+    dflash2 = make_drafter(
+        target, block_size=8, conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4
+    )
+    names = [m.name for m in bench.drafter_methods(target, dflash2, "d2", block_sizes=[4, 8])]
+    assert names and not any("tree" in name for name in names)
+    assert not any("tree" in m.name for m in bench.default_methods(target, dflash2, block_sizes=[4]))
+    assert any("tree" in m.name for m in bench.drafter_methods(target, make_drafter(target, block_size=8), "d1"))
