@@ -116,6 +116,30 @@ def test_a_cycle_reads_the_device_once(target, monkeypatch, candidates, batch, d
     assert sum(tally["cycles"].values()) <= bound * cycles, (dict(tally["cycles"]), cycles)
 
 
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
+@pytest.mark.parametrize("candidates", ["dflash", "dflash+lookup"])
+def test_a_dflash2_cycle_reads_the_device_once(target, monkeypatch, candidates, do_sample):
+    """The candidate selector's walk stays on the device: a DFlash 2 cycle reads once, as any cycle does."""
+    drafter = make_drafter(
+        target, block_size=BLOCK, conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4
+    )
+    with torch.no_grad():
+        for name, parameter in drafter.named_parameters():
+            if "candidate_selector" in name:
+                parameter.normal_(0.0, 1.0)
+    input_ids, attention_mask = _prompts(4)
+    sampling = dict(do_sample=True, temperature=0.8) if do_sample else dict(do_sample=False)
+    torch.manual_seed(0)
+    with counted_reads(monkeypatch) as tally:
+        dflash_hf.generate(
+            target, drafter, input_ids, attention_mask=attention_mask, max_new_tokens=20, candidates=candidates,
+            eos_token_id=[99], **sampling,
+        )
+    cycles = tally["count"]["cycles"]
+    assert cycles >= 4
+    assert sum(tally["cycles"].values()) <= READS_PER_CYCLE * cycles, (dict(tally["cycles"]), cycles)
+
+
 @pytest.mark.parametrize("candidates", ["dflash", "dflash+lookup"])
 def test_a_cycle_with_oracle_drafts_reads_the_device_once(target, monkeypatch, candidates):
     input_ids, attention_mask = _prompts(4)
