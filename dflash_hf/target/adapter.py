@@ -101,8 +101,9 @@ def _prepacks_head(target: PreTrainedModel) -> bool:
 def uses_engine_kernels(target: PreTrainedModel) -> bool:
     """Whether the engine computes `target`'s own layers with other kernels than `target.generate` does (today: the
     oneDNN-prepacked LM head of a float32 target on CPU, and grouped-query `sdpa` attention on CPU without key/value
-    copies, `target.grouped_attention`), so that a fair plain baseline needs them too."""
-    return _prepacks_head(target) or uses_grouped_attention(target)
+    copies, `target.grouped_attention`; a row-exact target runs its own `sdpa` bits instead), so that a fair plain
+    baseline needs them too."""
+    return _prepacks_head(target) or (uses_grouped_attention(target) and not row_exact.is_row_exact(target))
 
 
 @contextlib.contextmanager

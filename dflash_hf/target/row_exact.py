@@ -278,6 +278,12 @@ def _unhook(target: PreTrainedModel) -> None:
         module._row_exact_hooked = False
 
 
+def is_row_exact(target: PreTrainedModel) -> bool:
+    """Whether [`install`] made `target`'s verifies bit-exact: the engine's calls then run it in [`attention`] (and not
+    in grouped attention)."""
+    return bool(_INSTALLED.get(target, (0, False))[1])
+
+
 def head_is_hooked(head: nn.Module) -> bool:
     """Whether [`install`] made this LM head recompute multi-row calls row by row inside [`verification`] (callers
     that project with the head's weight directly must then call the module instead)."""
