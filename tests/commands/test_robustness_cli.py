@@ -167,7 +167,7 @@ def test_train_with_a_malformed_recipe(tmp_path, capsys, content, problem):
     recipe.write_bytes(content)
     code, _, errors = _cli(capsys, ["train", "--config", recipe, "--output_dir", tmp_path / "run"])
     assert code == 2 and len(errors) == 1, errors
-    assert errors[0].startswith(f"error: --config {recipe} is not a valid YAML recipe (") and problem in errors[0]
+    assert errors[0].startswith(f"error: --config {recipe} is not a valid YAML file (") and problem in errors[0]
     assert not (tmp_path / "run").exists()
 
 
