@@ -130,7 +130,12 @@ class DFlashTrainingConfig(TrainingArguments):
             new DFlash 2 parts' sizes (the published DFlash 2 drafters'); a loaded DFlash 2 drafter keeps its own.
         selector_loss_weight (`float`, defaults to `1.0`): Each labelled slot's loss adds this times the selector's
             teacher-forced `K`-way cross-entropy over the slot's top-`K` draft logits (its true previous token as the
-            predecessor); a label outside the top `K` adds nothing. Its codebooks are optimised by AdamW under `muon`.
+            predecessor); a label outside the top `K` adds nothing.
+        selector_learning_rate (`float`, *optional*): Peak learning rate of the candidate selector
+            (`candidate_selector.*`), on `learning_rate`'s schedule; defaults to `learning_rate`. A warm start gives
+            the new selector (its successor codebook starts at zero) a higher rate than the trained body keeps. The
+            selector is optimised by the Trainer's optimizer, and by AdamW under `muon` (its codebooks are embedding
+            tables).
 
         > Optimisation
 
@@ -273,6 +278,10 @@ class DFlashTrainingConfig(TrainingArguments):
         default=1.0,
         metadata={"help": "DFlash 2: weight of the selector's K-way cross-entropy (added to the DFlash loss)."},
     )
+    selector_learning_rate: float | None = field(
+        default=None,
+        metadata={"help": "DFlash 2: peak learning rate of the candidate selector (default: learning_rate)."},
+    )
 
     # Optimisation
     muon: bool = field(default=False, metadata={"help": "torch.optim.Muon for 2-D weights, AdamW for the rest."})
@@ -368,6 +377,10 @@ class DFlashTrainingConfig(TrainingArguments):
             )
         if not float(self.selector_loss_weight) >= 0.0:
             raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}.")
+        if self.selector_learning_rate is not None and not float(self.selector_learning_rate) > 0:
+            raise ValueError(
+                f"selector_learning_rate must be > 0, got {self.selector_learning_rate}; omit it for learning_rate."
+            )
         if self.dflash2 and self.markov_rank is not None:
             raise ValueError("A DFlash 2 drafter has a candidate selector, not a Markov head: drop --markov_rank.")
         if self.markov_learning_rate is not None and float(self.markov_learning_rate) <= 0:

@@ -139,22 +139,18 @@ def build_optimizer(
     default: Callable[[], torch.optim.Optimizer],
 ) -> torch.optim.Optimizer:
     """The drafter's optimizer. With `args.muon` (and a trainable 2-D backbone weight): [`MuonWithAdamW`] for the
-    backbone, its Markov head (a DFlash 2 selector's codebooks) on AdamW at `markov_learning_rate` (where given) with
-    the Trainer's weight-decay split (`decay_parameter_names`). Otherwise `default()` (the Trainer's optimizer, AdamW by default), the Markov head
-    moved to groups of its own at `markov_learning_rate` where that differs from `learning_rate`."""
-    head = {} if model.markov_head is None else dict(model.markov_head.named_parameters("markov_head"))
-    if model.candidate_selector is not None:  # embedding tables: AdamW's, as the Markov head's
-        head.update(
-            (name, parameter)
-            for name, parameter in model.candidate_selector.named_parameters("candidate_selector")
-            if name.endswith("_codebook.weight")
-        )
-    head_ids = {id(p) for p in head.values()}
-    head_lr = args.markov_learning_rate or args.learning_rate
-    backbone = [p for p in model.parameters() if p.requires_grad and id(p) not in head_ids]
+    backbone, the parts at rates of their own ([`own_rate_parts`]: a Markov head, a DFlash 2 selector) on AdamW with
+    the Trainer's weight-decay split (`decay_parameter_names`). Otherwise `default()` (the Trainer's optimizer, AdamW
+    by default), those parts moved to groups of their own where their rate differs from `learning_rate`."""
+    parts = own_rate_parts(model, args)
+    own = {id(p) for named, _ in parts for p in named.values()}
+    backbone = [p for p in model.parameters() if p.requires_grad and id(p) not in own]
     if args.muon and any(p.ndim == 2 for p in backbone):
-        decayed = [p for name, p in head.items() if name in decay_parameter_names]
-        undecayed = [p for name, p in head.items() if name not in decay_parameter_names]
+        groups = []
+        for named, lr in parts:
+            groups.append({"params": [p for n, p in named.items() if n in decay_parameter_names], "lr": lr})
+            undecayed = [p for n, p in named.items() if n not in decay_parameter_names]
+            groups.append({"params": undecayed, "lr": lr, "weight_decay": 0.0})
         return MuonWithAdamW(
             backbone,
             lr=args.learning_rate,
@@ -162,15 +158,26 @@ def build_optimizer(
             betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_epsilon,
             newton_schulz_float32=newton_schulz_float32_pays(args.device),
-            adamw_groups=[
-                {"params": decayed, "lr": head_lr},
-                {"params": undecayed, "lr": head_lr, "weight_decay": 0.0},
-            ],
+            adamw_groups=groups,
         )
     optimizer = default()
-    if head_lr != args.learning_rate:
-        move_to_own_group(optimizer, head_ids, head_lr)
+    for named, lr in parts:
+        if lr != args.learning_rate:
+            move_to_own_group(optimizer, {id(p) for p in named.values()}, lr)
     return optimizer
+
+
+def own_rate_parts(model: DFlashDraftModel, args: DFlashTrainingConfig) -> list[tuple[dict, float]]:
+    """The drafter's parts that train at a rate of their own, each with its rate: the Markov head at
+    `markov_learning_rate`, a DFlash 2 candidate selector at `selector_learning_rate` (each `learning_rate` where not
+    given); both hold embedding tables, which Muon is not meant for."""
+    parts = []
+    if model.markov_head is not None:
+        parts.append((dict(model.markov_head.named_parameters("markov_head")), args.markov_learning_rate))
+    if model.candidate_selector is not None:
+        selector = dict(model.candidate_selector.named_parameters("candidate_selector"))
+        parts.append((selector, args.selector_learning_rate))
+    return [(named, lr or args.learning_rate) for named, lr in parts]
 
 
 def move_to_own_group(optimizer: torch.optim.Optimizer, parameter_ids: set[int], lr: float) -> None:

@@ -193,6 +193,11 @@ class DFlashTrainer(DFlashLossMixin, PickleFreeCheckpoints):
         self.adapter = TargetAdapter.for_drafter(target, model)
         if args.freeze_backbone:
             freeze_backbone(model)
+        if args.selector_learning_rate is not None and model.candidate_selector is None:
+            raise ValueError(
+                "selector_learning_rate is a DFlash 2 selector's learning rate, and this drafter has none: make it a "
+                "DFlash 2 drafter with --dflash2 or drop --selector_learning_rate."
+            )
         if args.markov_learning_rate is not None and model.markov_head is None:
             raise ValueError(
                 "markov_learning_rate is the Markov head's learning rate, and this drafter has none: add one with "

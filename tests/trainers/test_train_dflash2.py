@@ -150,3 +150,29 @@ def test_dflash2_options_are_checked(tiny_data, tmp_path):
         tiny_train_config(tmp_path, dflash2=True, selector_loss_weight=-1.0)
     with pytest.raises(ValueError, match="does not divide hidden_size"):
         trainer_for(tiny_data, tmp_path, conv_group_size=24)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+@pytest.mark.parametrize("muon", [False, True])
+def test_selector_learning_rate_drives_the_selector_alone(tiny_data, tmp_path, muon):
+    """`selector_learning_rate`: the selector learns at that rate, the rest at `learning_rate`, on one schedule; with
+    `muon` the selector is on AdamW (its codebooks are embedding tables) and the body's matrices on Muon."""
+    trainer = trainer_for(tiny_data, tmp_path, muon=muon, max_steps=4, selector_learning_rate=1e-2, warmup_steps=0)
+    trainer.create_optimizer_and_scheduler(num_training_steps=4)
+    names = {id(p): name for name, p in trainer.model.named_parameters()}
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    rates = {names[id(p)]: group["lr"] for group in optimizer.param_groups for p in group["params"]}
+    selector = {name for name in names.values() if name.startswith("candidate_selector.")}
+    assert set(rates) == set(names.values()) and len(selector) == 3
+    assert {rates[name] for name in selector} == {1e-2}
+    assert {rate for name, rate in rates.items() if name not in selector} == {1e-3}
+    if muon:
+        on_muon = {names[id(p)] for group in optimizer._inner[0].param_groups for p in group["params"]}
+        assert not on_muon & selector and "fc.weight" in on_muon
+
+
+def test_selector_learning_rate_needs_a_selector(tiny_data, tmp_path):
+    with pytest.raises(ValueError, match="selector_learning_rate is a DFlash 2 selector's"):
+        trainer_for(tiny_data, tmp_path, dflash2=False, selector_learning_rate=1e-2)
+    with pytest.raises(ValueError, match="selector_learning_rate must be > 0"):
+        tiny_train_config(tmp_path, selector_learning_rate=0.0)
