@@ -92,7 +92,11 @@ class TimedForwards:
             ids = torch.randint(0, adapter.vocab_size, (1, count), generator=self.generator).to(device)
             positions = torch.arange(context_tokens, context_tokens + count, device=device)[None]
             exact = row_exact.attention(adapter.target) if self.row_exact else contextlib.nullcontext()
-            with exact, row_exact.verification(self.row_exact), stock_attention() if stock else contextlib.nullcontext():
+            with (
+                exact,
+                row_exact.verification(self.row_exact),
+                stock_attention() if stock else contextlib.nullcontext(),
+            ):
                 step = adapter.forward(ids, None, positions, cache)
                 adapter.logits(step.last_hidden_state)
             truncate_cache(cache, context_tokens)

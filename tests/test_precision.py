@@ -93,7 +93,11 @@ def test_after_an_eager_bf16_call_the_model_compiles_whole_and_a_compiled_bf16_c
         compiled(prompt)  # a graph break (row-exact attention's context variable) would raise here
         with pytest.warns(UserWarning, match="compile=True verifies blocks in compiled bfloat16 forwards"):
             generate(
-                target, drafter, prompt, max_new_tokens=8, do_sample=False,
+                target,
+                drafter,
+                prompt,
+                max_new_tokens=8,
+                do_sample=False,
                 compile=CompileConfig(backend=Counter(), mode=None, fullgraph=True),
             )
     finally:
@@ -476,8 +480,9 @@ def test_matmul_floor_times_every_linear_layer_and_the_head_on_k_rows(monkeypatc
         monkeypatch.setattr(
             profile_module.TargetAdapter,
             method,
-            lambda self, hidden, token_ids=None, original=original: calls.append(("head", hidden.shape[0]))
-            or original(self, hidden, token_ids),
+            lambda self, hidden, token_ids=None, original=original: (
+                calls.append(("head", hidden.shape[0])) or original(self, hidden, token_ids)
+            ),
         )
     measure_costs(target, drafter, token_counts=(1, 4), context_tokens=16, repeats=1)
     products = [call for call in calls if call[1] == 4]  # the forwards' calls have a batch dimension first

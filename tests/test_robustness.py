@@ -528,9 +528,8 @@ def test_train_survives_sigkill_during_a_checkpoint_save(reference_run, capsys):
 def test_last_skips_a_checkpoint_with_a_truncated_safetensors_file(tmp_path, damaged):
     """A weights or optimizer file cut short (a copy or a disk that failed) makes its checkpoint incomplete: `last`
     takes the one before, naming the file; the one asked for by name is refused with the same reason."""
-    from transformers.trainer_callback import TrainerState
-
     from dflash_hf.trainers.checkpoint_io import check_complete_checkpoint
+    from transformers.trainer_callback import TrainerState
 
     run = tmp_path / "run"
     for step in (1, 2):

@@ -156,8 +156,15 @@ def _mark_config(folder: Path, entry) -> None:
         (lambda folder: _replace_with_fifo(folder / MARKER_FILE), "unreadable"),
     ],
     ids=[
-        "bit-flip", "truncated", "no-marker", "missing-file", "bad-marker", "entry-a-number", "entry-a-list",
-        "marker-nested-deep", "marker-a-fifo",
+        "bit-flip",
+        "truncated",
+        "no-marker",
+        "missing-file",
+        "bad-marker",
+        "entry-a-number",
+        "entry-a-list",
+        "marker-nested-deep",
+        "marker-a-fifo",
     ],
 )
 def test_damaged_cache_is_detected_and_rebuilt(cache_root, tiny_spec, damage, reason):

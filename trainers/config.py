@@ -268,12 +268,16 @@ class DFlashTrainingConfig(TrainingArguments):
     # DFlash 2
     dflash2: bool = field(
         default=False,
-        metadata={"help": "Train a DFlash 2 drafter: convolutions and a candidate selector added to a new or DFlash one."},
+        metadata={
+            "help": "Train a DFlash 2 drafter: convolutions and a candidate selector added to a new or DFlash one."
+        },
     )
     conv_kernel_size: int = field(default=2, metadata={"help": "DFlash 2: taps of the dynamic convolutions."})
     conv_group_size: int = field(default=16, metadata={"help": "DFlash 2: channels per dynamic-kernel group."})
     selector_rank: int = field(default=256, metadata={"help": "DFlash 2: rank of the selector's codebooks."})
-    selector_top_k: int = field(default=16, metadata={"help": "DFlash 2: candidates per slot the selector chooses among."})
+    selector_top_k: int = field(
+        default=16, metadata={"help": "DFlash 2: candidates per slot the selector chooses among."}
+    )
     selector_loss_weight: float = field(
         default=1.0,
         metadata={"help": "DFlash 2: weight of the selector's K-way cross-entropy (added to the DFlash loss)."},
@@ -362,6 +366,20 @@ class DFlashTrainingConfig(TrainingArguments):
                 f"hard_labels must be one of {HARD_LABELS}, got {self.hard_labels!r}: 'data' trains on the dataset's "
                 "next token, 'target' on the target's own most likely token."
             )
+        self._check_drafter_heads()
+        if self.max_train_samples is not None and int(self.max_train_samples) < 1:
+            raise ValueError(f"max_train_samples must be >= 1, got {self.max_train_samples}.")
+        if int(self.skip_train_samples) < 0:
+            raise ValueError(f"skip_train_samples must be >= 0, got {self.skip_train_samples}.")
+        if self.early_stopping_patience is not None and int(self.early_stopping_patience) < 1:
+            raise ValueError(f"early_stopping_patience must be >= 1, got {self.early_stopping_patience}.")
+        if (self.load_best_model_at_end or self.early_stopping_patience) and self.metric_for_best_model is None:
+            self.metric_for_best_model = "acceptance_length_blockwise"
+            self.greater_is_better = True
+        super().__post_init__()
+
+    def _check_drafter_heads(self) -> None:
+        """The settings of a Markov head and of DFlash 2's selector: in range, and not both."""
         if self.markov_rank is not None and int(self.markov_rank) < 1:
             raise ValueError(
                 f"markov_rank must be >= 1 (DSpark uses 256), got {self.markov_rank}; omit it for no head."
@@ -387,13 +405,3 @@ class DFlashTrainingConfig(TrainingArguments):
             raise ValueError(
                 f"markov_learning_rate must be > 0, got {self.markov_learning_rate}; omit it for learning_rate."
             )
-        if self.max_train_samples is not None and int(self.max_train_samples) < 1:
-            raise ValueError(f"max_train_samples must be >= 1, got {self.max_train_samples}.")
-        if int(self.skip_train_samples) < 0:
-            raise ValueError(f"skip_train_samples must be >= 0, got {self.skip_train_samples}.")
-        if self.early_stopping_patience is not None and int(self.early_stopping_patience) < 1:
-            raise ValueError(f"early_stopping_patience must be >= 1, got {self.early_stopping_patience}.")
-        if (self.load_best_model_at_end or self.early_stopping_patience) and self.metric_for_best_model is None:
-            self.metric_for_best_model = "acceptance_length_blockwise"
-            self.greater_is_better = True
-        super().__post_init__()

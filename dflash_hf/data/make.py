@@ -110,6 +110,7 @@ def regenerate(
     return responses
 
 
+# one public call, as `save_pretrained` is: its documented arguments are half its length, its steps each one call
 def make_data(
     target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,

@@ -23,8 +23,8 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 from ..modeling import DFlashDraftModel
 from ..runtime import Stopwatch
 from ..special_tokens import first_token_id
-from ..target.adapter import TargetAdapter
 from ..target import row_exact
+from ..target.adapter import TargetAdapter
 from ..target.grouped_attention import grouped_attention
 from .acceptance import DEFAULT_SAMPLING_PROPOSAL
 from .block_size import BlockSizePolicy, make_block_size_policy

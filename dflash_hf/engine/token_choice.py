@@ -125,7 +125,9 @@ class TokenChoice:
             probs.append(prob)
         return tokens, None if probs[0] is None else torch.cat(probs, dim=1)
 
-    def draft_selected(self, draft_logits: torch.Tensor, anchors: torch.LongTensor, hidden_states: torch.Tensor) -> Drafts:
+    def draft_selected(
+        self, draft_logits: torch.Tensor, anchors: torch.LongTensor, hidden_states: torch.Tensor
+    ) -> Drafts:
         """DFlash 2: each slot's token among its top `selector_top_k` draft logits, walking from the anchor with the
         selector's term for the token chosen before it. The `(slots, K, K)` lattice of those terms is scored at once
         and the walk only gathers from it, on the device.

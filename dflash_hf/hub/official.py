@@ -21,9 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import transformers
-
 import torch
+import transformers
 from transformers import PreTrainedModel
 
 from ..drafters import DRAFT_LAYER_SIZES

@@ -436,7 +436,9 @@ def test_a_run_that_made_nothing_leaves_no_folder(target, tmp_path):
     tok = make_tokenizer()
     src = str(write_prompts(tmp_path / "p.jsonl"))
     with _Scripted(tok, _completion("broken")) as server, pytest.raises(ServerError, match="broken HTTP answer"):
-        make_data(target, tok, tmp_path / "out", source=src, server=_responder(server.url, tok, api="llama.cpp"), **KWARGS)
+        make_data(
+            target, tok, tmp_path / "out", source=src, server=_responder(server.url, tok, api="llama.cpp"), **KWARGS
+        )
     assert not (tmp_path / "out").exists()
 
 

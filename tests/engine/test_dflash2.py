@@ -49,7 +49,9 @@ def test_new_dflash2_drafter_starts_as_its_dflash_backbone():
     drafter drafts (a trained DFlash drafter is a valid starting point)."""
     target = make_target("qwen3", vocab_size=VOCAB)
     torch.manual_seed(4)
-    plain = DFlashDraftModel(DFlashConfig.from_target(target.config, num_hidden_layers=2, block_size=4, num_target_features=2)).eval()
+    plain = DFlashDraftModel(
+        DFlashConfig.from_target(target.config, num_hidden_layers=2, block_size=4, num_target_features=2)
+    ).eval()
     second = DFlashDraftModel(
         DFlashConfig.from_target(target.config, num_hidden_layers=2, block_size=4, num_target_features=2, **DFLASH2)
     )
@@ -59,7 +61,9 @@ def test_new_dflash2_drafter_starts_as_its_dflash_backbone():
     second.eval()
     prompt = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
     runs = [
-        dflash_hf.generate(target, drafter, prompt, max_new_tokens=MAX_NEW, candidates="dflash", return_dict_in_generate=True)
+        dflash_hf.generate(
+            target, drafter, prompt, max_new_tokens=MAX_NEW, candidates="dflash", return_dict_in_generate=True
+        )
         for drafter in (plain, second)
     ]
     assert torch.equal(runs[0].sequences, runs[1].sequences)

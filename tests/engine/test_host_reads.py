@@ -132,8 +132,14 @@ def test_a_dflash2_cycle_reads_the_device_once(target, monkeypatch, candidates, 
     torch.manual_seed(0)
     with counted_reads(monkeypatch) as tally:
         dflash_hf.generate(
-            target, drafter, input_ids, attention_mask=attention_mask, max_new_tokens=20, candidates=candidates,
-            eos_token_id=[99], **sampling,
+            target,
+            drafter,
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=20,
+            candidates=candidates,
+            eos_token_id=[99],
+            **sampling,
         )
     cycles = tally["count"]["cycles"]
     assert cycles >= 4

@@ -47,8 +47,14 @@ def test_moe_targets_are_exact_with_partial_acceptances(moe, candidates, block_s
     oracle = make_oracle(target, [r.tolist() for r in references], corrupt=corrupt_slots(3))
     input_ids, mask = left_padded(PROMPTS)
     out = dflash_hf.generate(
-        target, oracle, input_ids, attention_mask=mask, max_new_tokens=MAX_NEW, candidates=candidates,
-        block_size=block_size, return_dict_in_generate=True,
+        target,
+        oracle,
+        input_ids,
+        attention_mask=mask,
+        max_new_tokens=MAX_NEW,
+        candidates=candidates,
+        block_size=block_size,
+        return_dict_in_generate=True,
     )
     assert_rows_are_greedy(out.sequences, input_ids.shape[1], PROMPTS, references, (family, candidates, block_size))
     lengths = {n for row in out.accepted_lengths for n in row}
@@ -85,17 +91,30 @@ def test_sampling_on_a_moe_target_is_exact_in_distribution():
     """A tiny Qwen3-MoE over 8 ids: tokens 2 and 3 of speculative samples follow plain sampling's joint."""
     dense, _ = tiny_sampling_models()
     config = AutoConfig.for_model(
-        "qwen3_moe", **{k: getattr(dense.config, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers")},
-        intermediate_size=32, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, initializer_range=0.5, pad_token_id=0, eos_token_id=None,
+        "qwen3_moe",
+        **{k: getattr(dense.config, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers")},
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        initializer_range=0.5,
+        pad_token_id=0,
+        eos_token_id=None,
     )
     torch.manual_seed(0)
     target = AutoModelForCausalLM.from_config(config).eval()
     target.generation_config.eos_token_id, target.generation_config.pad_token_id = None, 0
     torch.manual_seed(1)
-    drafter = DFlashDraftModel(DFlashConfig.from_target(config, num_hidden_layers=1, block_size=4, num_target_features=2))
+    drafter = DFlashDraftModel(
+        DFlashConfig.from_target(config, num_hidden_layers=1, block_size=4, num_target_features=2)
+    )
     prompt = torch.tensor([[1, 2, 3, 4]])
-    statistic, cells = chi_square(target, drafter.eval(), prompt, exact_joint_of_tokens_2_and_3(target, prompt), "sample")
+    statistic, cells = chi_square(
+        target, drafter.eval(), prompt, exact_joint_of_tokens_2_and_3(target, prompt), "sample"
+    )
     assert statistic < chi_square_bound(cells), statistic
 
 
@@ -116,9 +135,8 @@ def test_real_moe_shapes_and_their_scaled_down_twins(shape, model_type):
 def test_training_and_exports_on_moe_targets(moe, tiny_data, tmp_path):
     """`DFlashTrainer` trains a drafter on a MoE target (its features online), and the drafter exports in the
     dflash-hf and official layouts and loads back."""
-    from testing_utils import tiny_train_config
-
     from dflash_hf.trainers import DFlashTrainer
+    from testing_utils import tiny_train_config
 
     family, target, _ = moe
     _, tokenizer, data = tiny_data

@@ -43,7 +43,12 @@ def test_restricted_drafters_are_exact(family, layout, candidates):
     drafter = make_drafter(target, **LAYOUTS[layout])
     input_ids, mask = left_padded(PROMPTS)
     out = dflash_hf.generate(
-        target, drafter, input_ids, attention_mask=mask, max_new_tokens=30, candidates=candidates,
+        target,
+        drafter,
+        input_ids,
+        attention_mask=mask,
+        max_new_tokens=30,
+        candidates=candidates,
         return_dict_in_generate=True,
     )
     references = [greedy_reference(target, torch.tensor([p]), max_new_tokens=30)[0] for p in PROMPTS]
@@ -63,8 +68,14 @@ def test_a_sliding_drafter_keeps_only_its_window(monkeypatch, candidates):
         if not trim:
             monkeypatch.setattr(DFlashChain, "_forget_past_the_window", lambda self, state: None)
         out = dflash_hf.generate(
-            target, drafter, input_ids, attention_mask=mask, max_new_tokens=MAX_NEW, candidates=candidates,
-            eos_token_id=[], return_dict_in_generate=True,
+            target,
+            drafter,
+            input_ids,
+            attention_mask=mask,
+            max_new_tokens=MAX_NEW,
+            candidates=candidates,
+            eos_token_id=[],
+            return_dict_in_generate=True,
         )
         runs.append((out, list(drafts), list(lengths)))
         drafts.clear(), lengths.clear()
@@ -72,7 +83,7 @@ def test_a_sliding_drafter_keeps_only_its_window(monkeypatch, candidates):
     assert torch.equal(trimmed.sequences, whole.sequences)
     assert trimmed.accepted_lengths == whole.accepted_lengths
     assert len(drafts) == len(whole_drafts)
-    for (rows, got), (_, expected) in zip(drafts, whole_drafts):
+    for (_, got), (_, expected) in zip(drafts, whole_drafts):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     half = len(lengths) // 2
     # the window (5 positions) and twice the widest verify (kept), held up to twice that before it is cut again

@@ -387,7 +387,10 @@ def test_dflash2_drafter_keys_and_tensors(tiny, tmp_path):
     for i in range(drafter.config.num_hidden_layers):
         for theirs, ours in (("attn", "attention_conv"), ("ffn", "mlp_conv")):
             expected[f"blk.{i}.{theirs}_conv_base"] = ([64, 2, 2], f"layers.{i}.{ours}.base_kernel")
-            expected[f"blk.{i}.{theirs}_conv_proj.weight"] = ([64, projected], f"layers.{i}.{ours}.kernel_projection.weight")
+            expected[f"blk.{i}.{theirs}_conv_proj.weight"] = (
+                [64, projected],
+                f"layers.{i}.{ours}.kernel_projection.weight",
+            )
     for theirs, (shape, ours) in expected.items():
         assert written[theirs].shape.tolist() == shape, theirs
         if theirs.endswith("_conv_base"):  # the bases stay F32: the drafter's values exactly

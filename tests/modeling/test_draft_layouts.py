@@ -8,10 +8,10 @@ import warnings
 
 import pytest
 import torch
+from dflash_hf.modeling.modeling_dflash import block_structure_mask, key_positions
 from testing_utils import make_drafter, make_target
 
 from dflash_hf import DFlashConfig, DFlashDraftModel
-from dflash_hf.modeling.modeling_dflash import block_structure_mask, key_positions
 
 OFFICIAL = {
     "architectures": ["DFlashDraftModel"],
@@ -61,7 +61,9 @@ def test_knobs_are_read_from_dflash_config_first_then_the_top_level():
 
 def test_sliding_layers_follow_the_qwen3_config_rules():
     """The window only with `use_sliding_window`; without `layer_types`, sliding from `max_window_layers` on."""
-    assert DFlashConfig.from_dict(official(layer_types=["sliding_attention"] * 3, sliding_window=6)).sliding_window is None
+    assert (
+        DFlashConfig.from_dict(official(layer_types=["sliding_attention"] * 3, sliding_window=6)).sliding_window is None
+    )
     config = DFlashConfig.from_dict(official(use_sliding_window=True, sliding_window=6, max_window_layers=1))
     assert config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
     assert config.sliding_window == 6 and [config.layer_is_causal(i) for i in range(3)] == [False, True, True]
@@ -74,7 +76,9 @@ def test_unknown_dflash_keys_are_named():
         DFlashConfig.from_dict(official(mystery_scale=2.0, dflash_config={"new_knob": 1}))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the layout's own keys are read without a word
-        DFlashConfig.from_dict(official(use_sliding_window=True, sliding_window=6, rope_theta=1e6, torch_dtype="bfloat16"))
+        DFlashConfig.from_dict(
+            official(use_sliding_window=True, sliding_window=6, rope_theta=1e6, torch_dtype="bfloat16")
+        )
 
 
 @pytest.mark.parametrize(
@@ -96,21 +100,36 @@ def test_unknown_dflash_keys_are_named():
         (
             {
                 "architectures": ["DFlash2DraftModel"],
-                "dflash_config": {"conv_kernel_size": 2, "conv_group_size": 24, "selector_rank": 8, "selector_top_k": 4},
+                "dflash_config": {
+                    "conv_kernel_size": 2,
+                    "conv_group_size": 24,
+                    "selector_rank": 8,
+                    "selector_top_k": 4,
+                },
             },
             "does not divide hidden_size",
         ),
         (
             {
                 "architectures": ["DFlash2DraftModel"],
-                "dflash_config": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 99},
+                "dflash_config": {
+                    "conv_kernel_size": 2,
+                    "conv_group_size": 16,
+                    "selector_rank": 8,
+                    "selector_top_k": 99,
+                },
             },
             "more candidates than the draft vocabulary",
         ),
         (
             {
                 "architectures": ["DFlash2DraftModel"],
-                "dflash_config": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 2**40, "selector_top_k": 4},
+                "dflash_config": {
+                    "conv_kernel_size": 2,
+                    "conv_group_size": 16,
+                    "selector_rank": 2**40,
+                    "selector_top_k": 4,
+                },
             },
             "selector_rank must be an int between 1",
         ),
@@ -156,7 +175,9 @@ def test_the_native_path_says_which_scales_it_does_not_apply():
     drafter = make_drafter(target, output_multiplier=0.5)
     prompt = torch.tensor([[5, 7, 3, 9]])
     with pytest.warns(UserWarning, match="does not apply this drafter's output_multiplier"):
-        native = target.generate(prompt, assistant_model=drafter, speculation_type="dflash", max_new_tokens=6, do_sample=False)
+        native = target.generate(
+            prompt, assistant_model=drafter, speculation_type="dflash", max_new_tokens=6, do_sample=False
+        )
     assert torch.equal(native, target.generate(prompt, max_new_tokens=6, do_sample=False))
 
 
@@ -165,7 +186,10 @@ def test_the_native_path_says_which_scales_it_does_not_apply():
     [
         (lambda w: w.update({"candidate_selector.successor_codebook": torch.zeros(64, 5)}), "has shape \\(64, 5\\)"),
         (lambda w: w.pop("candidate_selector.predecessor_codebook"), "missing tensors"),
-        (lambda w: w.update({"layers.0.attention_conv.base_kernel": torch.zeros(2, 3, 64)}), "has shape \\(2, 3, 64\\)"),
+        (
+            lambda w: w.update({"layers.0.attention_conv.base_kernel": torch.zeros(2, 3, 64)}),
+            "has shape \\(2, 3, 64\\)",
+        ),
         (lambda w: w.update({"candidate_selector.extra": torch.zeros(2)}), "unexpected tensors"),
     ],
     ids=["codebook-shape", "codebook-missing", "conv-taps", "extra-tensor"],

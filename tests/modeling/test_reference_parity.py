@@ -10,12 +10,12 @@ import time
 
 import pytest
 import torch
+from dflash_hf.modeling import DFlashConfig, DFlashDraftModel
 from testing_utils import left_padded, make_drafter, make_target
 from transformers import Qwen3Config
 
 import dflash_hf
 from dflash_hf.engine.candidates import DFlashChain
-from dflash_hf.modeling import DFlashConfig, DFlashDraftModel
 from dflash_hf.target.adapter import TargetAdapter
 
 try:
@@ -23,7 +23,9 @@ try:
 except ImportError:  # pragma: no cover - CI installs it
     if os.environ.get("DFLASH_HF_REQUIRE_REAL_TARGETS") == "1":  # CI: never skip silently
         raise
-    pytest.skip("z-lab's `dflash` package is not installed (pip install --no-deps dflash==0.1.0)", allow_module_level=True)
+    pytest.skip(
+        "z-lab's `dflash` package is not installed (pip install --no-deps dflash==0.1.0)", allow_module_level=True
+    )
 
 VOCAB = 8  # a small vocabulary: random drafters get blocks accepted, so every acceptance path runs
 BLOCK = 8
@@ -40,6 +42,13 @@ VARIANTS = {
     "top-level-knobs": {"output_multiplier": 3.0, "final_logit_softcapping": 1.5, "input_embedding_scale": 0.5},
 }
 
+DFLASH2 = {
+    "layer_types": ["sliding_attention"] * 3,
+    **SLIDING,
+    "is_causal": False,
+    "dflash_config": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4},
+}
+
 
 @pytest.fixture(autouse=True)
 def _reference_clock_on_cpu(monkeypatch):
@@ -52,8 +61,9 @@ def target():
     return make_target("qwen3", vocab_size=VOCAB)
 
 
-def reference_drafter(folder, variant: dict, seed: int = 3):
-    """A random-weight drafter built with the reference's own classes, saved in its layout."""
+def reference_drafter(folder, variant: dict, seed: int = 3, architecture: str = "DFlashDraftModel"):
+    """A random-weight drafter built with the reference's own classes, saved in its layout (a DFlash 2 one with a
+    selector strong enough to leave the unary argmax, its codebooks saved without `.weight` as published)."""
     variant = dict(variant)
     dflash_config = {"block_size": BLOCK, "mask_token_id": VOCAB - 1, "target_layer_ids": [1, 3]}
     dflash_config.update(variant.pop("dflash_config", {}))
@@ -68,13 +78,26 @@ def reference_drafter(folder, variant: dict, seed: int = 3):
         max_position_embeddings=1024,
         initializer_range=0.3,
         num_target_layers=6,
-        architectures=["DFlashDraftModel"],
+        architectures=[architecture],
         dflash_config=dflash_config,
         **variant,
     )
     torch.manual_seed(seed)
-    model = reference.DFlashDraftModel(config).eval()
+    model = getattr(reference, architecture)(config).eval()
+    if architecture == "DFlash2DraftModel":
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "base_kernel" in name or "kernel_projection" in name:
+                    parameter.normal_(0.0, 0.3)
+                elif "codebook" in name or "hidden_projection" in name:
+                    parameter.normal_(0.0, 1.0)
     model.save_pretrained(folder)
+    if architecture == "DFlash2DraftModel":
+        from safetensors.torch import load_file, save_file
+
+        weights = load_file(f"{folder}/model.safetensors")
+        renamed = {name.removesuffix(".weight") if "codebook" in name else name: w for name, w in weights.items()}
+        save_file(renamed, f"{folder}/model.safetensors", metadata={"format": "pt"})
     return model
 
 
@@ -117,7 +140,9 @@ def assert_same_cycles(seen, reference_out, ours, full_blocks_to_the_end: bool =
     assert torch.equal(reference_out.output_ids[:, : ours.sequences.shape[1]], ours.sequences)
     cycles = len(seen["reference"])
     if full_blocks_to_the_end:
-        cycles = next(i for i, logits in enumerate(seen["reference"] + [None]) if logits is None or logits.shape[1] < BLOCK - 1)
+        cycles = next(
+            i for i, logits in enumerate(seen["reference"] + [None]) if logits is None or logits.shape[1] < BLOCK - 1
+        )
         assert cycles >= len(seen["reference"]) * 3 // 4
     else:
         assert len(seen["reference"]) == len(seen["ours"])
@@ -166,8 +191,7 @@ def test_sliding_drafter_in_a_padded_batch_drafts_each_row_as_alone(target, tmp_
     monkeypatch.setattr(DFlashChain, "slots", recorded)
     input_ids, mask = left_padded(prompts)
     batched = run_ours(target, drafter, input_ids, attention_mask=mask)
-    per_row = {row: [logits[i] for i, logits in ((rows.index(row), l) for rows, l in seen if row in rows)]
-               for row in range(len(prompts))}
+    per_row = {row: [logits[rows.index(row)] for rows, logits in seen if row in rows] for row in range(len(prompts))}
     assert len({len(lengths) for lengths in batched.accepted_lengths}) > 1 or any(
         len(set(lengths)) > 1 for lengths in batched.accepted_lengths
     )
@@ -241,42 +265,6 @@ def test_compiled_sliding_drafter_drafts_as_the_reference(target, tmp_path, monk
         torch._dynamo.reset()
 
 
-DFLASH2 = {
-    "layer_types": ["sliding_attention"] * 3,
-    **SLIDING,
-    "is_causal": False,
-    "dflash_config": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4},
-}
-
-
-def reference_dflash2_drafter(folder, variant: dict = DFLASH2, seed: int = 3, codebook_std: float = 1.0):
-    """A random DFlash 2 drafter of the reference's classes, with a selector strong enough to leave the unary argmax,
-    saved as the published files are (codebooks without `.weight`)."""
-    from safetensors.torch import load_file, save_file
-
-    variant = dict(variant)
-    dflash_config = {"block_size": BLOCK, "mask_token_id": VOCAB - 1, "target_layer_ids": [1, 3]}
-    dflash_config.update(variant.pop("dflash_config", {}))
-    config = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, initializer_range=0.3, num_target_layers=6,
-        architectures=["DFlash2DraftModel"], dflash_config=dflash_config, **variant,
-    )
-    torch.manual_seed(seed)
-    model = reference.DFlash2DraftModel(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "base_kernel" in name or "kernel_projection" in name:
-                parameter.normal_(0.0, 0.3)
-            elif "codebook" in name or "hidden_projection" in name:
-                parameter.normal_(0.0, codebook_std)
-    model.save_pretrained(folder)
-    weights = load_file(f"{folder}/model.safetensors")
-    renamed = {name.removesuffix(".weight") if "codebook" in name else name: value for name, value in weights.items()}
-    save_file(renamed, f"{folder}/model.safetensors", metadata={"format": "pt"})
-    return model
-
-
 def record_selected_paths(monkeypatch) -> dict[str, list[torch.Tensor]]:
     """Every DFlash 2 draft (the selector's path), as the reference and this package choose them."""
     from dflash_hf.engine.token_choice import TokenChoice
@@ -302,7 +290,7 @@ def record_selected_paths(monkeypatch) -> dict[str, list[torch.Tensor]]:
 def test_dflash2_loads_from_published_files_and_drafts_as_the_reference(target, tmp_path, monkeypatch):
     """A DFlash 2 folder (codebooks without `.weight`) loads through `AutoModel` with remote code's classes, drafts
     the reference's logits and selector paths in every cycle, and the selector leaves the unary argmax."""
-    model = reference_dflash2_drafter(tmp_path)
+    model = reference_drafter(tmp_path, DFLASH2, architecture="DFlash2DraftModel")
     drafter = DFlashDraftModel.from_pretrained(tmp_path, dtype=torch.float32)
     assert drafter.config.is_dflash2 and drafter.candidate_selector.top_k == 4
     seen, paths = record_draft_logits(monkeypatch), record_selected_paths(monkeypatch)
@@ -319,7 +307,7 @@ def test_dflash2_loads_from_published_files_and_drafts_as_the_reference(target, 
 def test_dflash2_export_loads_into_the_reference_and_drafts_the_same(target, tmp_path, monkeypatch):
     """A DFlash 2 drafter exported in the official layout (codebooks without `.weight`) is the reference's
     `DFlash2DraftModel` and drafts the same paths; our own layout loads back the same tensors."""
-    reference_dflash2_drafter(tmp_path / "source")
+    reference_drafter(tmp_path / "source", DFLASH2, architecture="DFlash2DraftModel")
     drafter = DFlashDraftModel.from_pretrained(tmp_path / "source", dtype=torch.float32)
     folder = dflash_hf.export(drafter, tmp_path / "official", target=target, base_model="tiny/qwen3", format="official")
     model = reference.DFlash2DraftModel.from_pretrained(folder, dtype=torch.float32).eval()

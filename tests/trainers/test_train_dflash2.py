@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dflash_hf.trainers import DFlashTrainer
 from testing_utils import fixed_batch, tiny_train_config
 
 from dflash_hf import DFlashDraftModel
-from dflash_hf.trainers import DFlashTrainer
 
 DFLASH2 = {"dflash2": True, "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
 
@@ -116,11 +116,15 @@ def test_blocks_are_convolved_alone(tiny_data, tmp_path):
     blocks_seen_apart[:, :, block:, 5 : 5 + block] = False
     with torch.no_grad():
         both = drafter(
-            noise_embeds=noise, context_hidden_states=context, position_ids=positions,
-            attention_mask=blocks_seen_apart, draft_block_size=block,
+            noise_embeds=noise,
+            context_hidden_states=context,
+            position_ids=positions,
+            attention_mask=blocks_seen_apart,
+            draft_block_size=block,
         ).last_hidden_state
         second = drafter(
-            noise_embeds=noise[:, block:], context_hidden_states=context,
+            noise_embeds=noise[:, block:],
+            context_hidden_states=context,
             position_ids=torch.cat([torch.arange(5), torch.arange(5, 5 + block)])[None],
         ).last_hidden_state
     torch.testing.assert_close(both[:, block:], second, atol=1e-5, rtol=1e-5)

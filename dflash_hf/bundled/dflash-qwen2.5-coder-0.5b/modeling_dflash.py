@@ -64,7 +64,6 @@ def _cache_argument(cache: Cache | None, kwargs: dict) -> Cache | None:
     return legacy if cache is None else cache
 
 
-
 def _forget_key_mapping(model: "PreTrainedModel", patterns: dict[str, str]) -> None:
     """Drop the renamings `patterns` from what Transformers keeps of a load (from 5.24 on, `_weight_conversions`,
     reverted by `save_pretrained`): a drafter read from published files saves its own tensor names."""
@@ -260,7 +259,9 @@ class DFlashAttention(nn.Module):
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
-        self.is_causal = False  # the attention backends' flag: block-causality is a mask by position (`causal_in_block`)
+        self.is_causal = (
+            False  # the attention backends' flag: block-causality is a mask by position (`causal_in_block`)
+        )
         self.layer_type = config.layer_types[layer_idx]
         self.sliding_window = config.layer_window(layer_idx)
         self.causal_in_block = config.layer_is_causal(layer_idx)
@@ -289,6 +290,7 @@ class DFlashAttention(nn.Module):
         position_ids: torch.LongTensor | None = None,
         past_length: int = 0,
         key_position_ids: torch.LongTensor | None = None,
+        restricted_masks: dict | None = None,
         **kwargs: Unpack[FlashAttentionKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, q_len, _ = hidden_states.shape
@@ -309,9 +311,17 @@ class DFlashAttention(nn.Module):
         if isinstance(attention_mask, dict):  # a mask per layer type, built by the caller
             attention_mask = attention_mask[self.layer_type]
         elif self.sliding_window is not None or self.causal_in_block:
-            keys = key_positions(position_ids, past_length, key_states.shape[-2], key_position_ids)
-            structure = block_structure_mask(position_ids[:, -q_len:], keys, self.sliding_window, self.causal_in_block)
-            attention_mask = _restrict_mask(attention_mask, structure)
+            # built once per forward for each window, causality and key count (`restricted_masks`, the forward's own)
+            shape = (self.sliding_window, self.causal_in_block, key_states.shape[-2])
+            restricted = None if restricted_masks is None else restricted_masks.get(shape)
+            if restricted is None:
+                keys = key_positions(position_ids, past_length, key_states.shape[-2], key_position_ids)
+                queries = position_ids[:, -q_len:]
+                structure = block_structure_mask(queries, keys, self.sliding_window, self.causal_in_block)
+                restricted = _restrict_mask(attention_mask, structure)
+                if restricted_masks is not None:
+                    restricted_masks[shape] = restricted
+            attention_mask = restricted
 
         attention_interface: Callable = eager_attention_forward
         if self.config._attn_implementation is not None:  # None: a module built outside `from_pretrained`, eager
@@ -364,9 +374,7 @@ class DFlash2Convolution(nn.Module):
         self.base_kernel = nn.Parameter(torch.empty(2, self.kernel_size, config.hidden_size))
         self.kernel_projection = DFlashZeroInitLinear(config.hidden_size, 2 * self.kernel_size * groups, bias=False)
 
-    def prepare(
-        self, hidden_states: torch.Tensor, block_size: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepare(self, hidden_states: torch.Tensor, block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The sub-layer's input convolved, and the dynamic kernels of its output (for [`finish`]). `block_size`:
         the queries are consecutive blocks of this many slots (training), each convolved alone; `None`: one block."""
         groups = hidden_states.shape[-1] // self.group_size
@@ -777,7 +785,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             "selector_top_k": selector_top_k,
         }
         config = self.config.__class__.from_dict({**self.config.to_dict(), **sizes})  # validated before any change
-        for key, value in sizes.items():
+        for key in sizes:
             setattr(self.config, key, getattr(config, key))
         placement = {"device": self.fc.weight.device, "dtype": self.fc.weight.dtype}
         for layer in self.layers:
@@ -928,6 +936,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         hidden_states = noise_embeds.to(self.fc.weight.dtype)
         mask = self._attention_mask_for_backend(attention_mask, block_len, past_len + n_ctx + block_len)
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        restricted_masks: dict = {}  # the sliding and block-causal layers' masks, shared by layers that are alike
         for layer in self.layers:
             hidden_states = layer(
                 hidden_states,
@@ -938,6 +947,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 position_ids=position_ids,
                 past_length=past_len,
                 key_position_ids=key_position_ids,
+                restricted_masks=restricted_masks,
                 draft_block_size=draft_block_size,
                 **kwargs,
             )
@@ -955,6 +965,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
     def _warn_native_scales(self) -> None:
         """Once per drafter: Transformers' native path embeds the block with the target's embedding module and
         drafts from the LM head's plain logits, so a drafter's own scales do not apply there."""
+        if getattr(self, "_warned_native_scales", False):
+            return
         config = self.config
         unused = [
             name
@@ -965,7 +977,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             )
             if value not in default
         ]
-        if unused and not getattr(self, "_warned_native_scales", False):
+        if unused:
             self._warned_native_scales = True
             warnings.warn(
                 f"Transformers' native DFlash path does not apply this drafter's {', '.join(unused)}: its drafts differ "

@@ -229,7 +229,7 @@ def _config_dict_from_official(config_dict: dict) -> dict:
         missing = [key for key in DFLASH2_KEYS if _official_value(config_dict, key) is None]
         if missing:
             raise ValueError(
-                f"This DFlash 2 config (`architectures: [\"{OFFICIAL_DFLASH2_ARCHITECTURE}\"]`) has no {', '.join(missing)} "
+                f'This DFlash 2 config (`architectures: ["{OFFICIAL_DFLASH2_ARCHITECTURE}"]`) has no {", ".join(missing)} '
                 "(in `dflash_config` or at the top level): add the values the drafter was trained with."
             )
         values.update({key: _official_value(config_dict, key) for key in DFLASH2_KEYS})
@@ -462,7 +462,9 @@ class DFlashConfig(PreTrainedConfig):
             return
         missing = [key for key, value in values.items() if value is None]
         if missing:
-            raise ValueError(f"A DFlash 2 drafter sets all of {', '.join(DFLASH2_KEYS)}; this config lacks {', '.join(missing)}.")
+            raise ValueError(
+                f"A DFlash 2 drafter sets all of {', '.join(DFLASH2_KEYS)}; this config lacks {', '.join(missing)}."
+            )
         for key, value in values.items():
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= DFLASH2_LIMITS[key]:
                 raise ValueError(f"{key} must be an int between 1 and {DFLASH2_LIMITS[key]:,}, got {value!r}.")
@@ -491,15 +493,23 @@ class DFlashConfig(PreTrainedConfig):
             )
         wrong = sorted({str(kind) for kind in types if kind not in DRAFT_LAYER_TYPES})
         if wrong:
-            raise ValueError(f"layer_types holds {wrong}; a draft layer's attention is one of {list(DRAFT_LAYER_TYPES)}.")
+            raise ValueError(
+                f"layer_types holds {wrong}; a draft layer's attention is one of {list(DRAFT_LAYER_TYPES)}."
+            )
         window = self.sliding_window
         if window is not None and (
-            isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= SIZE_LIMITS["max_position_embeddings"]
+            isinstance(window, bool)
+            or not isinstance(window, int)
+            or not 1 <= window <= SIZE_LIMITS["max_position_embeddings"]
         ):
             raise ValueError(f"sliding_window must be a positive int (or null: no window), got {window!r}.")
         if self.is_causal is not None and not isinstance(self.is_causal, bool):
             raise ValueError(f"is_causal must be true, false or null, got {self.is_causal!r}.")
-        for name, lowest in (("input_embedding_scale", None), ("output_multiplier", None), ("final_logit_softcapping", 0)):
+        for name, lowest in (
+            ("input_embedding_scale", None),
+            ("output_multiplier", None),
+            ("final_logit_softcapping", 0),
+        ):
             value = getattr(self, name)
             if value is None and name != "output_multiplier":
                 continue
@@ -523,9 +533,7 @@ class DFlashConfig(PreTrainedConfig):
     @property
     def restricts_attention(self) -> bool:
         """Whether some draft layer sees less than the whole context and block (a window, or causal in the block)."""
-        return any(
-            self.layer_window(i) is not None or self.layer_is_causal(i) for i in range(self.num_hidden_layers)
-        )
+        return any(self.layer_window(i) is not None or self.layer_is_causal(i) for i in range(self.num_hidden_layers))
 
     @property
     def context_window(self) -> int | None:
