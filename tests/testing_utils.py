@@ -68,6 +68,32 @@ MOE_FAMILIES = {
     ),
     "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2),
 }
+# hybrid targets (Qwen3.5/3.6, Qwen3.5-MoE, Qwen3-Next): Gated DeltaNet layers with a full-attention layer every fourth
+_LINEAR_ATTENTION = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+)
+_SPARSE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+HYBRID_FAMILIES = {
+    "qwen3_5_text": _LINEAR_ATTENTION,
+    "qwen3_5_moe_text": {**_LINEAR_ATTENTION, **_SPARSE},
+    "qwen3_next": {**_LINEAR_ATTENTION, **_SPARSE},
+}
+# Gemma 4: per-layer head sizes (full layers 32, sliding 16), per-layer input embeddings, two layers sharing keys and
+# values, softcapping
+GEMMA4 = dict(
+    sliding_window=GEMMA_SLIDING_WINDOW,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    global_head_dim=32,
+    vocab_size_per_layer_input=VOCAB,
+    hidden_size_per_layer_input=16,
+    num_kv_shared_layers=2,
+    final_logit_softcapping=30.0,
+)
+AUTO_FAMILIES = {**MOE_FAMILIES, **HYBRID_FAMILIES, "gemma4_text": GEMMA4}
 
 
 def make_target_config(family: str, vocab_size: int = VOCAB, tie_word_embeddings: bool = False):
@@ -80,8 +106,8 @@ def make_target_config(family: str, vocab_size: int = VOCAB, tie_word_embeddings
         return Qwen2Config(**common, max_window_layers=COMMON["num_hidden_layers"])
     if family == "llama":
         return LlamaConfig(**common)
-    if family in MOE_FAMILIES:  # mixture-of-experts targets: 4 experts, 2 per token, routers as their families have
-        return AutoConfig.for_model(family, **common, **MOE_FAMILIES[family])
+    if family in AUTO_FAMILIES:  # MoE targets (4 experts, 2 per token), hybrid targets, Gemma 4: their own classes
+        return AutoConfig.for_model(family, **common, **AUTO_FAMILIES[family])
     if family == "gemma3":
         return Gemma3TextConfig(
             **common,
@@ -104,7 +130,7 @@ def make_target(
     config = make_target_config(family, vocab_size, tie_word_embeddings)
     config._attn_implementation = "eager" if family == "gpt_oss" else attn_implementation  # its sinks: eager only
     classes = {"qwen3": Qwen3ForCausalLM, "qwen2": Qwen2ForCausalLM, "llama": LlamaForCausalLM}
-    if family in MOE_FAMILIES:
+    if family in AUTO_FAMILIES:
         model = AutoModelForCausalLM.from_config(config).eval()
     else:
         model = classes.get(family, Gemma3ForCausalLM)(config).eval()
@@ -112,6 +138,8 @@ def make_target(
         for name, parameter in model.named_parameters():
             if name.endswith("_proj.bias"):
                 parameter.normal_(0.0, 0.3)
+            elif family == "gemma4_text":  # its own initialisation makes every greedy continuation repeat one token
+                parameter.normal_(*((0.0, 0.3) if parameter.dim() >= 2 else (1.0, 0.2)))
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = 2
     return model

@@ -12,7 +12,7 @@ knows it on the host.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, StaticLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin, StaticLayer
 
 
 def static_cache(num_layers: int, max_cache_len: int) -> Cache:
@@ -30,7 +30,13 @@ def is_static(cache: Cache) -> bool:
 
 
 def _layers(cache: Cache) -> list[CacheLayerMixin]:
-    return [layer for layer in cache.layers if getattr(layer, "is_initialized", True) and layer.keys is not None]
+    """The cache's attention layers that hold keys and values (a hybrid target's linear-attention layers hold states
+    of no sequence length, rolled back by `target.linear_attention`)."""
+    return [
+        layer
+        for layer in cache.layers
+        if isinstance(layer, CacheLayerMixin) and getattr(layer, "is_initialized", True) and layer.keys is not None
+    ]
 
 
 def _set_length(layer: StaticLayer, length: int) -> None:
@@ -86,7 +92,11 @@ def drop_leading(cache: Cache, count: int, length: int) -> None:
 
 
 def select_rows(cache: Cache, rows: torch.Tensor) -> None:
-    """Keep only the batch rows `rows` (finished rows leave the batch; a static layer gets new, smaller buffers)."""
+    """Keep only the batch rows `rows` (finished rows leave the batch; a static layer gets new, smaller buffers; a
+    linear-attention layer keeps those rows of its states)."""
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            layer.reorder_cache(rows)
     for layer in _layers(cache):
         layer.keys = layer.keys[rows.to(layer.keys.device)]
         layer.values = layer.values[rows.to(layer.values.device)]

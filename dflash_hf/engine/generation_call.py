@@ -26,11 +26,12 @@ from ..special_tokens import first_token_id
 from ..target import row_exact
 from ..target.adapter import TargetAdapter
 from ..target.grouped_attention import grouped_attention
+from ..target.linear_attention import LinearAttentionStates, hybrid_cache, is_stateful
 from .acceptance import DEFAULT_SAMPLING_PROPOSAL
 from .block_size import BlockSizePolicy, make_block_size_policy
 from .cache_ops import drop_leading, is_static, keep_path, select_rows, shift_cache_right, shift_right, truncate_cache
 from .candidates import DEFAULT_CANDIDATES, CandidatePlan, DFlashChain, Readout, Verdict, candidate_source
-from .checks import check_drafter, check_options
+from .checks import check_drafter, check_options, check_stateful_options
 from .compilation import STATIC_CACHES, compile_config_of
 from .lookup import Lookups
 from .oracle import OracleDrafts, oracle_chain
@@ -86,7 +87,11 @@ class GenerationCall:
             stopping_criteria=stopping_criteria,
             streamer=streamer,
         )
-        self.target_cache: Cache = DynamicCache()
+        stateful = is_stateful(target)
+        self.target_cache: Cache = hybrid_cache(target) if stateful else DynamicCache()
+        self.linear_states = (
+            LinearAttentionStates(target, self.adapter.base_model, self.target_cache) if stateful else None
+        )
         self.draft_cache = DynamicCache()
         self.draft_timer = Stopwatch(self.device)
         self.verify_timer = Stopwatch(self.device)
@@ -122,6 +127,9 @@ class GenerationCall:
         # trees (the lookup branch, the draft tree) need greedy verification and a processor that scores every node
         # alone; sampling verifies the DFlash block (the chain) alone
         tree_verify = not do_sample and (process.is_identity or process.prefix_free)
+        if self.linear_states is not None:
+            check_stateful_options(self.adapter.target, candidates, self.compile_config)
+            tree_verify = False  # one recurrent state per row: the lookup branch's tree verifies as the chain
         self.plan = CandidatePlan(candidates, self.max_block, lookup_tokens, tree_verify)
         if self.plan.source == "tree" and self.choice.selector is not None:
             raise ValueError(
@@ -155,7 +163,13 @@ class GenerationCall:
             self.plan, chain, Lookups(lookup_tokens, self.sequences.text, self.sequences.remaining)
         )
         self.verifier = Verifier(
-            self.adapter, self.target_cache, self.choice, self.plan.verify_width, self.verify_timer, self.compile_config
+            self.adapter,
+            self.target_cache,
+            self.choice,
+            self.plan.verify_width,
+            self.verify_timer,
+            self.compile_config,
+            self.linear_states,
         )
 
     def _take_static_caches(self) -> None:
@@ -273,6 +287,8 @@ class GenerationCall:
         features = verdict.step.context_hidden_states
         if verdict.order is None:
             truncate_cache(self.target_cache, state.mask.shape[1] + width)
+            if self.linear_states is not None:
+                self.linear_states.keep(readout.kept)
         else:
             keep_path(self.target_cache, state.mask.shape[1], verdict.order[:, :width])
             features = features.gather(1, verdict.order[:, :width, None].expand(-1, -1, features.shape[-1]))

@@ -8,6 +8,7 @@ every token gets the bits a one-token step gives it.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -18,6 +19,7 @@ from transformers.generation.configuration_utils import CompileConfig
 from ..runtime import Stopwatch
 from ..target import row_exact
 from ..target.adapter import TargetAdapter
+from ..target.linear_attention import LinearAttentionStates
 from ..target.windows import sliding_window_of
 from .candidates import Proposal, Verdict
 from .rows import ActiveRows
@@ -54,8 +56,10 @@ class Verifier:
         verify_width: int,
         timer: Stopwatch,
         compile_config: CompileConfig | None = None,
+        linear_states: LinearAttentionStates | None = None,
     ) -> None:
         self.adapter, self.cache, self.choice, self.timer = adapter, cache, choice, timer
+        self.linear_states = linear_states
         self.verify_width, self.compile_config = verify_width, compile_config
         self.row_exact = compile_config is None and row_exact_verification(adapter.target, verify_width)
         target = adapter.target
@@ -83,7 +87,8 @@ class Verifier:
 
     def _chain(self, state: ActiveRows, block_pos: torch.LongTensor, proposal: Proposal) -> Verdict:
         block_ids = torch.cat([state.anchors[:, None], proposal.tokens], dim=1)
-        with self.timer, row_exact.verification(self.row_exact):
+        recording = self.linear_states.verifying() if self.linear_states is not None else contextlib.nullcontext()
+        with self.timer, row_exact.verification(self.row_exact), recording:
             mask = state.attention_mask(self._new_keys(state, block_ids.shape[1]))
             step = self.adapter.forward(block_ids, mask, block_pos, self.cache, self.compile_config)
             target_logits = self.adapter.logits(step.last_hidden_state)

@@ -29,7 +29,7 @@ from ..runtime import compiled_call, forwards_alone
 from ..transformers_compat import cache_keyword
 from . import row_exact
 from .grouped_attention import grouped_attention, uses_grouped_attention
-from .support import check_built_for, check_supported
+from .support import check_built_for, check_supported, text_config
 
 # oneDNN-prepacked copies of frozen LM-head weights (the few most recent ones). On CPU in fp32 a prepacked head is
 # faster than `nn.Linear` for the 1-16 rows a decode step needs (`dflash-hf profile`'s matmul rows time the head this
@@ -144,7 +144,7 @@ class TargetAdapter:
         `input_embedding_scale`, `output_multiplier` and `final_logit_softcapping` decide how the block is embedded
         ([`embed`]) and how draft logits are made ([`draft_logits`])."""
         check_supported(target)
-        config = target.config
+        config = text_config(target)
         if built_for is not None:
             check_built_for(built_for, target)
         self.target = target

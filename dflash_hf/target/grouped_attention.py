@@ -65,8 +65,8 @@ _GROUPED = SdpaVariant(ATTENTION_NAME, _grouped_sdpa)
 
 def uses_grouped_attention(target: PreTrainedModel) -> bool:
     """Whether [`grouped_attention`] switches `target` (any model): on CPU, in `sdpa` attention, with grouped key/value
-    heads."""
-    config = target.config
+    heads (a multimodal wrapper: its text decoder's)."""
+    config = target.config.get_text_config(decoder=True)
     heads = config.num_attention_heads
     return (
         target.device.type == "cpu"

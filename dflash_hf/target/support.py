@@ -21,6 +21,10 @@ _TARGET_TYPES: dict[str, tuple[str, str | None]] = {
     "qwen3_moe": ("Qwen3-MoE (Qwen3-Coder-30B-A3B)", "qwen"),
     "gpt_oss": ("GPT-OSS", None),
     "minimax_m2": ("MiniMax-M2", None),
+    "qwen3_5_text": ("Qwen3.5 / Qwen3.6 (hybrid)", "qwen"),
+    "qwen3_5_moe_text": ("Qwen3.5-MoE / Qwen3.6-MoE (hybrid)", "qwen"),
+    "qwen3_next": ("Qwen3-Next (hybrid, Qwen3-Coder-Next)", "qwen"),
+    "gemma4_text": ("Gemma 4", "gemma"),
 }
 SUPPORTED_TARGET_TYPES: dict[str, str] = {model_type: name for model_type, (name, _) in _TARGET_TYPES.items()}
 TARGET_FAMILIES: dict[str, str] = {model_type: family for model_type, (_, family) in _TARGET_TYPES.items() if family}
@@ -31,9 +35,15 @@ def _supported_list() -> str:
     return ", ".join(f"{name} (`{key}`)" for key, name in SUPPORTED_TARGET_TYPES.items())
 
 
+def text_config(target: PreTrainedModel) -> PreTrainedConfig:
+    """The config of `target`'s text decoder: its own, or the text part of a multimodal wrapper's
+    (`Qwen3_5ForConditionalGeneration`, `Gemma4ForConditionalGeneration`), whose decoder is what DFlash runs."""
+    return target.config.get_text_config(decoder=True)
+
+
 def check_supported(target: PreTrainedModel) -> None:
-    """Raise a `ValueError` listing the supported targets when `target`'s architecture is not one of them."""
-    model_type = getattr(target.config, "model_type", None)
+    """Raise a `ValueError` listing the supported targets when `target`'s text decoder is not one of them."""
+    model_type = getattr(text_config(target), "model_type", None)
     if model_type not in SUPPORTED_TARGET_TYPES:
         raise ValueError(
             f"Unsupported target architecture `{model_type}` ({type(target).__name__}). "
@@ -43,14 +53,14 @@ def check_supported(target: PreTrainedModel) -> None:
 
 def check_built_for(drafter_config: PreTrainedConfig, target: PreTrainedModel) -> None:
     """Raise a `ValueError` naming both sides when the drafter records another target (layer count or model type)."""
-    config = target.config
+    config = text_config(target)
     layers, model_type = int(config.num_hidden_layers), getattr(config, "model_type", None)
     built_layers = getattr(drafter_config, "num_target_layers", None)
     built_type = getattr(drafter_config, "target_model_type", None)
     if (built_layers is None or int(built_layers) == layers) and built_type in (None, model_type):
         return
     drafter_name = getattr(drafter_config, "name_or_path", "") or ""
-    target_name = getattr(config, "name_or_path", "") or ""
+    target_name = getattr(target.config, "name_or_path", "") or ""
     built = " ".join(filter(None, (f"{built_layers}-layer" if built_layers else "", built_type and f"`{built_type}`")))
     raise ValueError(
         f"This drafter{f' ({drafter_name})' if drafter_name else ''} was built for another target: a {built} "
@@ -67,7 +77,7 @@ def input_embedding_scale(target: PreTrainedModel) -> float | None:
     if scale is None:
         return None
     if getattr(scale, "is_meta", False):
-        return float(target.config.get_text_config(decoder=True).hidden_size) ** 0.5
+        return float(text_config(target).hidden_size) ** 0.5
     return float(scale)
 
 

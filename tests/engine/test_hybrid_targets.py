@@ -1,0 +1,193 @@
+"""Hybrid targets (Qwen3.5/3.6 `qwen3_5_text`, Qwen3.5-MoE `qwen3_5_moe_text`, Qwen3-Next `qwen3_next`: Gated
+DeltaNet layers with a recurrent state) and Gemma 4 (`gemma4_text`: per-layer head sizes, per-layer inputs, shared
+keys and values), bare and in their multimodal wrappers: exact against plain greedy with partial acceptances in
+left-padded batches, EOS inside blocks, sampling exact in distribution; what a recurrent state cannot verify refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from testing_utils import (
+    COMMON,
+    HYBRID_FAMILIES,
+    assert_rows_are_greedy,
+    chi_square,
+    chi_square_bound,
+    corrupt_slots,
+    exact_joint_of_tokens_2_and_3,
+    greedy_reference,
+    left_padded,
+    make_drafter,
+    make_oracle,
+    make_target,
+    tiny_sampling_models,
+)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+import dflash_hf
+from dflash_hf import DFlashConfig, DFlashDraftModel
+from dflash_hf.target import linear_attention
+from dflash_hf.target.support import SUPPORTED_TARGET_TYPES
+
+PROMPTS = [[5, 7, 3, 9, 4, 6, 8, 10, 3, 11, 13], [6, 6, 4, 12], [11, 3, 5, 7, 9, 4, 20, 21]]
+MAX_NEW = 24
+FAMILIES = [*HYBRID_FAMILIES, "gemma4_text"]
+
+
+def _prepared(target):
+    target.generation_config.eos_token_id = None  # long continuations: every cycle verifies a full block
+    references = [greedy_reference(target, torch.tensor([p]), max_new_tokens=MAX_NEW)[0] for p in PROMPTS]
+    return target, references
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def hybrid(request):
+    return (request.param, *_prepared(make_target(request.param)))
+
+
+def _generate(target, references, **options):
+    oracle = make_oracle(target, [r.tolist() for r in references], corrupt=options.pop("corrupt", corrupt_slots(3)))
+    input_ids, mask = left_padded(PROMPTS)
+    out = dflash_hf.generate(
+        target, oracle, input_ids, attention_mask=mask, max_new_tokens=MAX_NEW, return_dict_in_generate=True, **options
+    )
+    return out, input_ids
+
+
+@pytest.mark.parametrize("candidates", ["dflash", "dflash+lookup", "tree"])
+@pytest.mark.parametrize("block_size", [2, 4, "adaptive"])
+def test_hybrid_and_gemma4_targets_are_exact_with_partial_acceptances(hybrid, candidates, block_size):
+    """Oracle drafts with corrupted slots: rows accept different lengths every cycle, every rollback path runs (a
+    hybrid target refuses draft trees)."""
+    family, target, references = hybrid
+    assert family in SUPPORTED_TARGET_TYPES
+    if candidates == "tree" and family in HYBRID_FAMILIES:
+        with pytest.raises(ValueError, match="recurrent state"):
+            _generate(target, references, candidates=candidates, block_size=block_size)
+        return
+    out, input_ids = _generate(target, references, candidates=candidates, block_size=block_size)
+    assert_rows_are_greedy(out.sequences, input_ids.shape[1], PROMPTS, references, (family, candidates, block_size))
+    lengths = {n for row in out.accepted_lengths for n in row}
+    if block_size != "adaptive":
+        assert len(lengths) > 1  # partial acceptances
+
+
+@pytest.mark.parametrize("corrupt", [None, corrupt_slots(2), corrupt_slots(5, slot_step=2)])
+def test_hybrid_rows_accepting_whole_blocks_and_parts(corrupt):
+    """Whole blocks (the verify's own state kept), and rows of one batch that accept different counts in a cycle."""
+    target, references = _prepared(make_target("qwen3_5_text"))
+    out, input_ids = _generate(target, references, candidates="dflash", block_size=4, corrupt=corrupt)
+    assert_rows_are_greedy(out.sequences, input_ids.shape[1], PROMPTS, references, corrupt is None)
+    if corrupt is None:
+        assert max(n for row in out.accepted_lengths for n in row) == 4
+    else:
+        assert any(len({row[c] for row in out.accepted_lengths if c < len(row)}) > 1 for c in range(4))
+
+
+def test_the_recurrent_rollback_is_what_makes_it_exact(monkeypatch):
+    """Keeping the verify's recurrent state (no rollback over the accepted prefix) diverges from plain greedy."""
+    target, references = _prepared(make_target("qwen3_next"))
+    monkeypatch.setattr(
+        linear_attention.LinearAttentionStates,
+        "_advanced",
+        lambda self, module, index, recorded, rows, count, window: self.cache.layers[index].recurrent_states[0][rows],
+    )
+    out, input_ids = _generate(target, references, candidates="dflash", block_size=4)
+    with pytest.raises(AssertionError):
+        assert_rows_are_greedy(out.sequences, input_ids.shape[1], PROMPTS, references)
+
+
+def test_hybrid_and_gemma4_targets_stop_at_eos_inside_a_block(hybrid):
+    family, target, references = hybrid
+    eos = int(references[0][len(PROMPTS[0]) + 5])  # a token the first row generates mid-answer
+    oracle = make_oracle(target, [r.tolist() for r in references])
+    input_ids, mask = left_padded(PROMPTS)
+    out = dflash_hf.generate(target, oracle, input_ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos)
+    for i, prompt in enumerate(PROMPTS):
+        reference = target.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos)
+        generated = reference[0, len(prompt) :]
+        assert torch.equal(out[i, input_ids.shape[1] : input_ids.shape[1] + len(generated)], generated), (family, i)
+
+
+def test_trees_and_compile_are_refused_on_a_recurrent_state():
+    target = make_target("qwen3_5_text")
+    drafter = make_drafter(target)
+    prompt = torch.tensor([PROMPTS[0]])
+    with pytest.raises(ValueError, match='candidates="tree".*recurrent state.*candidates="dflash"'):
+        dflash_hf.generate(target, drafter, prompt, max_new_tokens=4, candidates="tree")
+    with pytest.raises(ValueError, match="compile=True.*recurrent states.*compile=False"):
+        dflash_hf.generate(target, drafter, prompt, max_new_tokens=4, compile=True)
+
+
+def test_drafters_from_hybrid_and_gemma4_configs():
+    """`from_target` reads per-layer configs (Gemma 4's head sizes) and gives the drafter a RoPE over its whole head
+    at the target's full-attention base (Qwen3.5's partial multimodal RoPE and Gemma 4's proportional one dropped)."""
+    qwen = DFlashConfig.from_target(make_target("qwen3_5_text").config, num_target_features=2)
+    assert "partial_rotary_factor" not in qwen.rope_parameters and "mrope_section" not in qwen.rope_parameters
+    gemma = make_target("gemma4_text")
+    config = DFlashConfig.from_target(gemma.config, num_target_features=2)
+    assert config.head_dim == COMMON["head_dim"] and config.target_model_type == "gemma4_text"
+    assert config.rope_parameters["rope_type"] == "default"
+    assert config.rope_parameters["rope_theta"] == gemma.config.rope_parameters["full_attention"]["rope_theta"]
+    assert not getattr(gemma.config, "allow_global_per_layer_attribute_access", False)  # the target's config untouched
+
+
+def _wrapped(model_type: str):
+    """A tiny multimodal wrapper (loaded as Transformers loads it, `AutoModelForImageTextToText`) around the text
+    decoder `make_target` builds for the family."""
+    family = {"qwen3_5": "qwen3_5_text", "gemma4": "gemma4_text"}[model_type]
+    text = make_target(family)
+    vision = (
+        dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=COMMON["hidden_size"])
+        if model_type == "qwen3_5"
+        else dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16)
+    )
+    extra = {"audio_config": None} if model_type == "gemma4" else {}
+    config = AutoConfig.for_model(model_type, text_config=text.config.to_dict(), vision_config=vision, **extra)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    model.lm_head.load_state_dict(text.lm_head.state_dict())
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "gemma4"])
+def test_multimodal_wrappers_generate_text_exactly(model_type):
+    target, references = _prepared(_wrapped(model_type))
+    out, input_ids = _generate(target, references, candidates="dflash+lookup", block_size=4)
+    assert_rows_are_greedy(out.sequences, input_ids.shape[1], PROMPTS, references, model_type)
+    drafter = make_drafter(target)
+    assert drafter.config.target_model_type == target.config.get_text_config(decoder=True).model_type
+
+
+def test_sampling_on_a_hybrid_target_is_exact_in_distribution():
+    """A tiny Qwen3.5 over 8 ids: tokens 2 and 3 of speculative samples (a batch whose rows accept different counts,
+    so rows roll back in groups) follow plain sampling's joint."""
+    dense, _ = tiny_sampling_models()
+    config = AutoConfig.for_model(
+        "qwen3_5_text",
+        **{k: getattr(dense.config, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers")},
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        initializer_range=0.5,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(config).eval()
+    target.generation_config.eos_token_id, target.generation_config.pad_token_id = None, 0
+    torch.manual_seed(1)
+    drafter = DFlashDraftModel(
+        DFlashConfig.from_target(config, num_hidden_layers=1, block_size=4, num_target_features=2)
+    )
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    statistic, cells = chi_square(
+        target, drafter.eval(), prompt, exact_joint_of_tokens_2_and_3(target, prompt), "sample"
+    )
+    assert statistic < chi_square_bound(cells), statistic
