@@ -14,6 +14,7 @@ import contextlib
 import functools
 import statistics
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedModel
@@ -25,12 +26,20 @@ from .runtime import Stopwatch
 from .target import row_exact
 from .target.adapter import TargetAdapter
 from .target.grouped_attention import grouped_attention, stock_attention
+from .target.linear_attention import LinearAttentionStates, is_stateful, new_target_cache
 
 Call = Callable[[], None]
 
 
+class PreparedCall(NamedTuple):
+    """A timed call that needs state made by an untimed one first: `prepare` runs, then `run` is timed."""
+
+    prepare: Call
+    run: Call
+
+
 def interleaved_medians(
-    calls: dict[tuple[str, int], Call], repeats: int, device: torch.device
+    calls: dict[tuple[str, int], Call | PreparedCall], repeats: int, device: torch.device
 ) -> dict[str, dict[int, float]]:
     """Median wall time in ms of each call, keyed `(kind, count)`, over `repeats` rounds that run every call once, in
     turn, after one untimed round: a shared machine's drift between rounds then touches every call alike, so their
@@ -40,6 +49,9 @@ def interleaved_medians(
     times: dict[tuple[str, int], list[float]] = {key: [] for key in calls}
     for round_index in range(repeats + 1):
         for key, call in calls.items():
+            if isinstance(call, PreparedCall):
+                call.prepare()
+                call = call.run
             with Stopwatch(device) as watch:
                 call()
             if round_index:
@@ -75,7 +87,10 @@ class TimedForwards:
         self.generator = generator
         self.row_exact = bool(row_exact_verify and row_exact.install_if_needed(target, max_tokens))
         self.context = torch.randint(0, adapter.vocab_size, (1, context_tokens), generator=generator).to(self.device)
-        self.cache = DynamicCache()
+        self.cache = new_target_cache(target)
+        self.linear_states = (
+            LinearAttentionStates(target, adapter.base_model, self.cache) if is_stateful(target) else None
+        )
         positions = torch.arange(context_tokens, device=self.device)[None]
         self.context_hidden_states = adapter.forward(self.context, None, positions, self.cache).context_hidden_states
 
@@ -83,12 +98,15 @@ class TimedForwards:
         """The counts of `token_counts` the drafter drafts as a block: 2 up to its block size."""
         return [b for b in token_counts if 2 <= b <= int(self.drafter.config.block_size)]
 
-    def target_calls(self, token_counts: tuple[int, ...], stock: bool = False) -> dict[int, Call]:
+    def target_calls(
+        self, token_counts: tuple[int, ...], stock: bool = False, rollback: bool = False
+    ) -> dict[int, Call]:
         """A target forward of each token count (with logits for every new token) on the cached context, rolled back;
-        `stock`: in Transformers' own `sdpa` attention (`target.grouped_attention.stock_attention`)."""
+        `stock`: in Transformers' own `sdpa` attention (`target.grouped_attention.stock_attention`); `rollback`: a
+        hybrid target's recorded states are left for a rollback ([`rollback_calls`])."""
         adapter, cache, context_tokens, device = self.adapter, self.cache, self.context_tokens, self.device
 
-        def target_forward(count: int) -> None:
+        def target_forward(count: int, keep: bool = True) -> None:
             ids = torch.randint(0, adapter.vocab_size, (1, count), generator=self.generator).to(device)
             positions = torch.arange(context_tokens, context_tokens + count, device=device)[None]
             exact = row_exact.attention(adapter.target) if self.row_exact else contextlib.nullcontext()
@@ -96,12 +114,39 @@ class TimedForwards:
                 exact,
                 row_exact.verification(self.row_exact),
                 stock_attention() if stock else contextlib.nullcontext(),
+                self._recording(count),
             ):
                 step = adapter.forward(ids, None, positions, cache)
                 adapter.logits(step.last_hidden_state)
             truncate_cache(cache, context_tokens)
+            if keep and self.linear_states is not None and count > 1:
+                self.linear_states.keep([count])  # what the verify recorded, let go
 
+        if rollback:
+            return {count: functools.partial(target_forward, count, False) for count in token_counts}
         return {count: functools.partial(target_forward, count) for count in token_counts}
+
+    def _recording(self, count: int) -> contextlib.AbstractContextManager:
+        """A hybrid target's multi-token forward records what its rollback needs, as the engine's verify does (a
+        one-token forward is the plain decoding step)."""
+        if self.linear_states is None or count == 1:
+            return contextlib.nullcontext()
+        return self.linear_states.verifying()
+
+    def rollback_calls(self, token_counts: tuple[int, ...]) -> dict[int, PreparedCall]:
+        """A hybrid target's rollback after a verify of each token count (> 1) that kept all but its last token (the
+        longest re-run a verify needs: a row that keeps every token keeps the verify's own state); the verify runs
+        untimed first. Empty for a target without linear-attention layers."""
+        if self.linear_states is None:
+            return {}
+        counts = tuple(count for count in token_counts if count > 1)
+        verify = self.target_calls(counts, rollback=True)
+        states = self.linear_states
+
+        def rollback(count: int) -> None:
+            states.keep([count - 1])
+
+        return {count: PreparedCall(verify[count], functools.partial(rollback, count)) for count in counts}
 
     def drafter_calls(self, block_sizes: list[int]) -> dict[int, Call]:
         """A drafter forward (with draft-vocabulary logits) for each block size: the drafter first ingests the whole

@@ -147,6 +147,73 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
         eos_token_id=200002,
         pad_token_id=199999,
     ),
+    # hybrid: Gated DeltaNet linear attention with a gated full-attention layer every fourth (partial multimodal RoPE)
+    "qwen3.5-9b": dict(
+        model_type="qwen3_5_text",
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        vocab_size=248320,
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=False,
+        bos_token_id=248044,
+        eos_token_id=248046,
+    ),
+    "qwen3.5-0.8b": dict(
+        model_type="qwen3_5_text",
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        vocab_size=248320,
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=True,
+        bos_token_id=248044,
+        eos_token_id=248046,
+    ),
+    # Gemma 4: five sliding layers (head 256, window 1024) per full one (head 512, 4 key/value heads shared by keys
+    # and values), softcapped logits
+    "gemma-4-31b": dict(
+        model_type="gemma4_text",
+        hidden_size=5376,
+        intermediate_size=21504,
+        num_hidden_layers=60,
+        num_attention_heads=32,
+        num_key_value_heads=16,
+        head_dim=256,
+        global_head_dim=512,
+        num_global_key_value_heads=4,
+        attention_k_eq_v=True,
+        sliding_window=1024,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10,
+        hidden_size_per_layer_input=0,
+        vocab_size=262144,
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-6,
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,
+        bos_token_id=2,
+        eos_token_id=106,
+    ),
     # Qwen3-8B's layout at a size the tests run in a blink
     "tiny-qwen3": {
         **_QWEN3_8B,
@@ -171,6 +238,19 @@ RANDOM_SHAPES["tiny-qwen3-moe"] = {
 RANDOM_SHAPES["tiny-gpt-oss"] = {
     **RANDOM_SHAPES["gpt-oss-20b"], **_TINY, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16,
     "layer_types": ["sliding_attention", "full_attention"] * 4, "pad_token_id": 509,
+}  # fmt: skip
+RANDOM_SHAPES["qwen3.6-27b"] = {
+    **RANDOM_SHAPES["qwen3.5-9b"], "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 64,
+    "num_attention_heads": 24, "linear_num_value_heads": 48,
+}  # fmt: skip
+RANDOM_SHAPES["tiny-qwen3.5"] = {
+    **RANDOM_SHAPES["qwen3.5-9b"], **_TINY, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "max_position_embeddings": 4096,
+}  # fmt: skip
+RANDOM_SHAPES["tiny-gemma4"] = {
+    **RANDOM_SHAPES["gemma-4-31b"], **_TINY, "global_head_dim": 32, "num_global_key_value_heads": 1,
+    "sliding_window": 16, "layer_types": (["sliding_attention"] * 3 + ["full_attention"]) * 2,
+    "bos_token_id": 509, "max_position_embeddings": 4096,
 }  # fmt: skip
 """The shapes of the random targets, by the name after `random:` (the public models' `config.json` values)."""
 

@@ -26,7 +26,8 @@ from functools import partial
 import torch
 from dflash_hf.modeling import DFlashDraftModel
 from torch.utils.checkpoint import checkpoint
-from transformers.cache_utils import DynamicCache
+
+from dflash_hf.target.linear_attention import new_target_cache
 
 from .config import DFlashTrainingConfig
 from .forward import draft_forward, selector_scores, slot_logits, teacher_probs
@@ -76,7 +77,7 @@ class DFlashLossMixin:
         """Tapped target hidden states `(b, n, k * H)` and final normed hidden states `(b, n, H)` for a right-padded
         batch (online mode)."""
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
-        step = self.adapter.forward(input_ids, attention_mask, position_ids, DynamicCache())
+        step = self.adapter.forward(input_ids, attention_mask, position_ids, new_target_cache(self.adapter.target))
         return step.context_hidden_states, step.last_hidden_state
 
     @property

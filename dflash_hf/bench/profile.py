@@ -77,7 +77,9 @@ def measure_costs(
     Returns a JSON-ready dict: `dtype`, `context_tokens`, `row_exact` (whether multi-token target forwards ran
     row-exact, as the engine runs them in this precision), `target_ms` / `target_relative` (per token count, relative
     to a 1-token step) and `drafter_ms` / `drafter_relative` (per block size from `token_counts` >= 2 up to the
-    drafter's, relative to the same 1-token step). `row_exact_verify=False` times stock multi-token forwards instead
+    drafter's, relative to the same 1-token step), and for a hybrid target `rollback_ms` / `rollback_relative` (per
+    token count > 1: bringing its linear-attention states back after a verify that kept all but its last token,
+    `target.linear_attention`). `row_exact_verify=False` times stock multi-token forwards instead
     (what a reduced-precision verify would cost without exactness; the engine never runs that).
 
     Multi-token target forwards run in the engine's grouped-query attention where it applies
@@ -96,6 +98,9 @@ def measure_costs(
     block_sizes = forwards.block_sizes(token_counts)
     products = comparisons and 1 in token_counts  # the matmul floor needs a 1-token step
     kinds = {"target": forwards.target_calls(token_counts)}
+    rollback = forwards.rollback_calls(token_counts)
+    if rollback:  # a hybrid target: its rollback after each verify, in the same rounds
+        kinds["rollback"] = rollback
     if comparisons and not forwards.row_exact and uses_grouped_attention(target):  # row-exact attention is left alone
         kinds["stock"] = forwards.target_calls(tuple(k for k in token_counts if k > 1), stock=True)
     if products:
@@ -135,6 +140,8 @@ def _relative_costs(measured: dict[str, dict[int, float]]) -> dict[str, dict[str
         result["matmul_ms"] = {str(k): v for k, v in matmul_ms.items()}
         result["floor_relative"] = {str(k): (step_ms - matmul_ms[1] + v) / step_ms for k, v in matmul_ms.items()}
         result |= costs("drafter_matmul", "drafter_matmul_ms", "drafter_matmul_relative")
+    if measured.get("rollback"):
+        result |= costs("rollback", "rollback_ms", "rollback_relative")
     if measured.get("stock"):
         result |= costs("stock", "stock_attention_ms", "stock_attention_relative")
     return result
@@ -165,7 +172,11 @@ def predicted_speedup(
     if not accepted_lengths or not draft:
         return None
     verify = profile["target_relative"]
-    cost = sum(_at(verify, w) + _at(draft, b) for w, b in zip(verify_widths, block_sizes, strict=True))
+    rollback = profile.get("rollback_relative")  # a hybrid target's, after each verify (at most: all but one kept)
+    cost = sum(
+        _at(verify, w) + (_at(rollback, w) if rollback and w > 1 else 0.0) + _at(draft, b)
+        for w, b in zip(verify_widths, block_sizes, strict=True)
+    )
     return sum(accepted_lengths) / cost if cost > 0 else None
 
 

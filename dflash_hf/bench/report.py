@@ -363,6 +363,11 @@ def cost_lines(profile: dict[str, Any] | None, prefix: str) -> list[str]:
         _cost_row("ms", counts, blocks, profile["target_ms"], profile["drafter_ms"], 1),
         _cost_row("x step", counts, blocks, profile["target_relative"], profile["drafter_relative"], 2),
     ]
+    rollback = "rollback_ms" in profile
+    if rollback:
+        share = {k: v / profile["target_ms"][k] for k, v in profile["rollback_ms"].items()}
+        rows.append(_cost_row("rollback after the verify, ms", counts, blocks, profile["rollback_ms"], None, 2))
+        rows.append(_cost_row("rollback / verify", counts, blocks, share, None, 3))
     if stock:
         rows.append(_cost_row("ms, Transformers' `sdpa`", counts, blocks, profile["stock_attention_ms"], None, 1))
     if floor:
@@ -380,6 +385,10 @@ def cost_lines(profile: dict[str, Any] | None, prefix: str) -> list[str]:
         "'matmuls alone': the linear layers and LM head on k rows; 'floor': a k-token target forward whose other work "
         "costs what it costs for one token, and a draft that is its matmuls alone"
         if floor
+        else "",
+        "'rollback': the linear-attention states of a hybrid target brought back to the last accepted token after a "
+        "k-token verify that kept k - 1 (the longest re-run a verify needs)"
+        if rollback
         else "",
     ]
     notes_text = "; ".join(note for note in notes if note)

@@ -101,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
             print(_cost_line("matmuls alone (floor)", profile, "matmul_ms", "floor_relative"))
             print(_cost_line("drafter matmuls alone", profile, "drafter_matmul_ms", "drafter_matmul_relative", "B={}"))
         print(_cost_line("drafter", profile, "drafter_ms", "drafter_relative", "B={}"))
+        if "rollback_ms" in profile:
+            print(_cost_line("rollback after a verify", profile, "rollback_ms", "rollback_relative"))
     args.out.mkdir(parents=True, exist_ok=True)
     drafter_name = "random" if drafter_dir is None else str(drafter_dir)
     document = {"hardware": hardware_info(device), "drafter": drafter_name, "profiles": profiles}

@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from ..target.linear_attention import new_target_cache
 from .batching import pad
 from .feature_index import next_row, read_index, settings_of, shard_path
 from .feature_shards import ShardWriter, open_index, row_ids
@@ -32,13 +33,11 @@ from .feature_shards import ShardWriter, open_index, row_ids
 
 def features_of_batch(adapter, rows: list[int], seqs: list[list[int]], final_hidden: bool) -> dict[str, torch.Tensor]:
     """One target forward over a right-padded batch: the bf16 tensors to store, by name (`"{row}"`, `"{row}.final"`)."""
-    from transformers.cache_utils import DynamicCache
-
     device = next(adapter.target.parameters()).device
     ids = pad([torch.tensor(s, dtype=torch.long) for s in seqs]).to(device)
     mask = pad([torch.ones(len(s), dtype=torch.long) for s in seqs]).to(device)
     positions = torch.arange(ids.shape[1], device=device)[None].expand(len(seqs), -1)
-    step = adapter.forward(ids, mask, positions, DynamicCache())
+    step = adapter.forward(ids, mask, positions, new_target_cache(adapter.target))
     tensors = {}
     for j, (row, s) in enumerate(zip(rows, seqs)):
         tensors[str(row)] = step.context_hidden_states[j, : len(s)].to(torch.bfloat16).cpu().contiguous()

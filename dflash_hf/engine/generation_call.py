@@ -26,7 +26,7 @@ from ..special_tokens import first_token_id
 from ..target import row_exact
 from ..target.adapter import TargetAdapter
 from ..target.grouped_attention import grouped_attention
-from ..target.linear_attention import LinearAttentionStates, hybrid_cache, is_stateful
+from ..target.linear_attention import LinearAttentionStates, is_stateful, new_target_cache
 from .acceptance import DEFAULT_SAMPLING_PROPOSAL
 from .block_size import BlockSizePolicy, make_block_size_policy
 from .cache_ops import drop_leading, is_static, keep_path, select_rows, shift_cache_right, shift_right, truncate_cache
@@ -88,7 +88,7 @@ class GenerationCall:
             streamer=streamer,
         )
         stateful = is_stateful(target)
-        self.target_cache: Cache = hybrid_cache(target) if stateful else DynamicCache()
+        self.target_cache: Cache = new_target_cache(target)
         self.linear_states = (
             LinearAttentionStates(target, self.adapter.base_model, self.target_cache) if stateful else None
         )

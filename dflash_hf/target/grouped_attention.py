@@ -68,10 +68,15 @@ def uses_grouped_attention(target: PreTrainedModel) -> bool:
     heads (a multimodal wrapper: its text decoder's)."""
     config = target.config.get_text_config(decoder=True)
     heads = config.num_attention_heads
+    per_layer = getattr(config, "per_layer_config", None)  # Gemma 4: key/value heads per layer
+    if per_layer is not None:
+        key_value_heads = min(per_layer[i].num_key_value_heads for i in range(config.num_hidden_layers))
+    else:
+        key_value_heads = getattr(config, "num_key_value_heads", heads)
     return (
         target.device.type == "cpu"
         and getattr(config, "_attn_implementation", None) == "sdpa"
-        and getattr(config, "num_key_value_heads", heads) < heads
+        and key_value_heads < heads
     )
 
 

@@ -27,7 +27,13 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
+from transformers.cache_utils import (
+    Cache,
+    DynamicCache,
+    DynamicLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
 
 LINEAR_ATTENTION = "linear_attention"
 
@@ -44,10 +50,12 @@ def is_stateful(target: PreTrainedModel) -> bool:
     return bool(linear_attention_layers(target.config))
 
 
-def hybrid_cache(target: PreTrainedModel) -> Cache:
-    """The cache a generation call gives a hybrid target: a `LinearAttentionLayer` per linear-attention layer, a
-    full-length `DynamicLayer` per attention layer (sliding windows are masks, as for every target)."""
+def new_target_cache(target: PreTrainedModel) -> Cache:
+    """An empty cache for `target`'s forwards: a `DynamicCache` of full-length layers (sliding windows are masks), and
+    for a hybrid target a `LinearAttentionLayer` in place of each linear-attention layer's."""
     linear = set(linear_attention_layers(target.config))
+    if not linear:
+        return DynamicCache()
     layers = target.config.get_text_config(decoder=True).num_hidden_layers
     return Cache(layers=[LinearAttentionLayer() if i in linear else DynamicLayer() for i in range(layers)])
 

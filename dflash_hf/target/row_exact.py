@@ -34,11 +34,12 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..transformers_compat import cache_keyword
 from .attention_registry import SdpaVariant
+from .linear_attention import new_target_cache
 from .windows import sliding_window_of
 
 ATTENTION_NAME = "row_exact_sdpa"
@@ -314,11 +315,11 @@ def block_rows_match_decode(target: PreTrainedModel, block_size: int, context: i
     ids = torch.randint(0, vocab, (1, context + block_size), generator=generator).to(target.device)
     cache_kwarg = cache_keyword(target.forward)
 
-    def prefilled(cache: DynamicCache) -> DynamicCache:
+    def prefilled(cache: Cache) -> Cache:
         target(ids[:, :context], use_cache=True, **{cache_kwarg: cache})
         return cache
 
-    engine_cache = prefilled(DynamicCache())
+    engine_cache = prefilled(new_target_cache(target))
     with attention(target), verification():
         block = target(ids[:, context:], use_cache=True, **{cache_kwarg: engine_cache}).logits[0]
     cache = prefilled(DynamicCache(config=target.config))
