@@ -631,7 +631,9 @@ class DFlashConfig(PreTrainedConfig):
         """Derive a drafter config from a target's config.
 
         Every dimension (hidden size, heads, KV heads, head dim, intermediate size, activation, RoPE, vocab) is
-        copied from the target, and `target_layer_ids` is always written out explicitly.
+        copied from the target (a target with per-layer values: their common default), as is a logit multiplier the
+        target applies before its softcap (`output_multiplier`), and `target_layer_ids` is always written out
+        explicitly.
 
         Mask token choice when `mask_token_id` is not given: the first embedding row past the tokenizer's real
         tokens ([`real_token_count`]) when a `tokenizer` is passed and the embedding has spare rows (Qwen3: 151669,
@@ -670,6 +672,9 @@ class DFlashConfig(PreTrainedConfig):
             num_target_layers=num_target_layers,
             target_model_type=getattr(text, "model_type", None),
         )
+        multiplier = getattr(text, "output_multiplier", None)  # Muse-Glimmer scales its logits before the cap
+        if multiplier is not None and float(multiplier) != 1.0:
+            values["output_multiplier"] = float(multiplier)
         values.update(kwargs)
         return cls(**values)
 

@@ -23,7 +23,7 @@ from dflash_hf.data.features import OfflineFeatureDataset, cache_features
 from dflash_hf.data.make_folder import load_training_data
 from dflash_hf.target.support import TARGET_FAMILIES
 
-FAMILIES = [*MOE_FAMILIES, *HYBRID_FAMILIES, "gemma4_text"]
+FAMILIES = [*MOE_FAMILIES, *HYBRID_FAMILIES, "gemma4_text", "deepseek_v3"]
 NOTES = {"qwen": "Notes for Qwen targets", "gemma": "Notes for Gemma targets"}
 
 

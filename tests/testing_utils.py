@@ -93,7 +93,24 @@ GEMMA4 = dict(
     num_kv_shared_layers=2,
     final_logit_softcapping=30.0,
 )
-AUTO_FAMILIES = {**MOE_FAMILIES, **HYBRID_FAMILIES, "gemma4_text": GEMMA4}
+# DeepSeek-V3 (Kimi K2): multi-head latent attention, a dense first layer, routed and shared experts
+DEEPSEEK_V3 = dict(
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    head_dim=8,
+    num_key_value_heads=COMMON["num_attention_heads"],
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+)
+AUTO_FAMILIES = {**MOE_FAMILIES, **HYBRID_FAMILIES, "gemma4_text": GEMMA4, "deepseek_v3": DEEPSEEK_V3}
 
 
 def make_target_config(family: str, vocab_size: int = VOCAB, tie_word_embeddings: bool = False):
@@ -107,7 +124,7 @@ def make_target_config(family: str, vocab_size: int = VOCAB, tie_word_embeddings
     if family == "llama":
         return LlamaConfig(**common)
     if family in AUTO_FAMILIES:  # MoE targets (4 experts, 2 per token), hybrid targets, Gemma 4: their own classes
-        return AutoConfig.for_model(family, **common, **AUTO_FAMILIES[family])
+        return AutoConfig.for_model(family, **{**common, **AUTO_FAMILIES[family]})
     if family == "gemma3":
         return Gemma3TextConfig(
             **common,

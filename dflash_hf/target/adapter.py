@@ -154,6 +154,7 @@ class TargetAdapter:
         self.lm_head: nn.Linear = target.get_output_embeddings()
         self.embed_tokens: nn.Module = target.get_input_embeddings()
         self.softcap: float | None = getattr(config, "final_logit_softcapping", None)
+        self.multiplier = float(getattr(config, "output_multiplier", None) or 1.0)  # Muse-Glimmer's, before the cap
         self.block_embedding_scale: float | None = getattr(built_for, "input_embedding_scale", None)
         self.draft_multiplier = float(getattr(built_for, "output_multiplier", None) or 1.0)
         draft_softcap = getattr(built_for, "final_logit_softcapping", None)
@@ -221,12 +222,16 @@ class TargetAdapter:
         return nn.functional.embedding(input_ids, self.embed_tokens.weight) * self.block_embedding_scale
 
     def logits(self, hidden_states: torch.Tensor, token_ids: torch.LongTensor | None = None) -> torch.Tensor:
-        """Project final hidden states with the target's LM head (+ softcapping) in float32: the target's logits.
+        """Project final hidden states with the target's LM head (times its `output_multiplier`, then softcapped) in
+        float32: the target's logits.
 
         With `token_ids`, only those rows of the head are computed (a reduced draft vocabulary): the last dimension
         then indexes `token_ids`.
         """
-        return _softcapped(self._head(hidden_states, token_ids), self.softcap)
+        logits = self._head(hidden_states, token_ids)
+        if self.multiplier != 1.0:
+            logits = logits * self.multiplier
+        return _softcapped(logits, self.softcap)
 
     def draft_logits(self, hidden_states: torch.Tensor, token_ids: torch.LongTensor | None = None) -> torch.Tensor:
         """A drafter's logits of its final hidden states: the target's LM head (rows `token_ids` where given) in

@@ -25,6 +25,8 @@ _TARGET_TYPES: dict[str, tuple[str, str | None]] = {
     "qwen3_5_moe_text": ("Qwen3.5-MoE / Qwen3.6-MoE (hybrid)", "qwen"),
     "qwen3_next": ("Qwen3-Next (hybrid, Qwen3-Coder-Next)", "qwen"),
     "gemma4_text": ("Gemma 4", "gemma"),
+    "deepseek_v3": ("DeepSeek-V3 / Kimi K2 (MLA)", None),
+    "muse_glimmer_text": ("Muse-Glimmer", None),
 }
 SUPPORTED_TARGET_TYPES: dict[str, str] = {model_type: name for model_type, (name, _) in _TARGET_TYPES.items()}
 TARGET_FAMILIES: dict[str, str] = {model_type: family for model_type, (_, family) in _TARGET_TYPES.items() if family}

@@ -1,6 +1,7 @@
 """Hybrid targets (Qwen3.5/3.6 `qwen3_5_text`, Qwen3.5-MoE `qwen3_5_moe_text`, Qwen3-Next `qwen3_next`: Gated
-DeltaNet layers with a recurrent state) and Gemma 4 (`gemma4_text`: per-layer head sizes, per-layer inputs, shared
-keys and values), bare and in their multimodal wrappers: exact against plain greedy with partial acceptances in
+DeltaNet layers with a recurrent state), Gemma 4 (`gemma4_text`: per-layer head sizes, per-layer inputs, shared keys
+and values), DeepSeek-V3 / Kimi K2 (`deepseek_v3`: latent attention) and Muse-Glimmer (`muse_glimmer_text`: logits
+scaled before the cap), bare and in their multimodal wrappers: exact against plain greedy with partial acceptances in
 left-padded batches, EOS inside blocks, sampling exact in distribution; what a recurrent state cannot verify refused."""
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 
 import dflash_hf
 from dflash_hf import DFlashConfig, DFlashDraftModel
-from dflash_hf.target import linear_attention
+from dflash_hf.target import TargetAdapter, linear_attention
+from dflash_hf.target.linear_attention import new_target_cache
 from dflash_hf.target.support import SUPPORTED_TARGET_TYPES
 
 PROMPTS = [[5, 7, 3, 9, 4, 6, 8, 10, 3, 11, 13], [6, 6, 4, 12], [11, 3, 5, 7, 9, 4, 20, 21]]
 MAX_NEW = 24
-FAMILIES = [*HYBRID_FAMILIES, "gemma4_text"]
+FAMILIES = [*HYBRID_FAMILIES, "gemma4_text", "deepseek_v3"]
 
 
 def _prepared(target):
@@ -132,26 +134,45 @@ def test_drafters_from_hybrid_and_gemma4_configs():
     assert not getattr(gemma.config, "allow_global_per_layer_attribute_access", False)  # the target's config untouched
 
 
+_VISION = {
+    "qwen3_5": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=COMMON["hidden_size"]),
+    "gemma4": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16),
+    "muse_glimmer": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         pos_emb_height=4, pos_emb_width=4),
+}  # fmt: skip
+
+
 def _wrapped(model_type: str):
-    """A tiny multimodal wrapper (loaded as Transformers loads it, `AutoModelForImageTextToText`) around the text
-    decoder `make_target` builds for the family."""
-    family = {"qwen3_5": "qwen3_5_text", "gemma4": "gemma4_text"}[model_type]
-    text = make_target(family)
-    vision = (
-        dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=COMMON["hidden_size"])
-        if model_type == "qwen3_5"
-        else dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16)
-    )
+    """A tiny multimodal wrapper (loaded as Transformers loads it, `AutoModelForImageTextToText`): around the text
+    decoder `make_target` builds for the family (Qwen3.5, Gemma 4), or Muse-Glimmer's own (sliding window 8)."""
     extra = {"audio_config": None} if model_type == "gemma4" else {}
-    config = AutoConfig.for_model(model_type, text_config=text.config.to_dict(), vision_config=vision, **extra)
+    if model_type == "muse_glimmer":
+        text_config = {**COMMON, "sliding_window": 8}
+    else:
+        text = make_target({"qwen3_5": "qwen3_5_text", "gemma4": "gemma4_text"}[model_type])
+        text_config = text.config.to_dict()
+    config = AutoConfig.for_model(model_type, text_config=text_config, vision_config=_VISION[model_type], **extra)
+    torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(config).eval()
-    model.model.language_model.load_state_dict(text.model.state_dict())
-    model.lm_head.load_state_dict(text.lm_head.state_dict())
+    if model_type != "muse_glimmer":
+        model.model.language_model.load_state_dict(text.model.state_dict())
+        model.lm_head.load_state_dict(text.lm_head.state_dict())
     model.generation_config.pad_token_id = 0
     return model
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5", "gemma4"])
+def test_the_adapter_gives_the_targets_own_logits():
+    """Muse-Glimmer multiplies its logits before the softcap: the engine's logits are the model's, bit for bit."""
+    target = _wrapped("muse_glimmer")
+    adapter = TargetAdapter(target, [1, 3])
+    ids = torch.tensor([PROMPTS[0]])
+    step = adapter.forward(ids, None, torch.arange(ids.shape[1])[None], new_target_cache(target))
+    expected = target(ids).logits.float()
+    torch.testing.assert_close(adapter.logits(step.last_hidden_state), expected, rtol=0, atol=1e-5)
+    assert make_drafter(target).config.output_multiplier == target.config.text_config.output_multiplier
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "gemma4", "muse_glimmer"])
 def test_multimodal_wrappers_generate_text_exactly(model_type):
     target, references = _prepared(_wrapped(model_type))
     out, input_ids = _generate(target, references, candidates="dflash+lookup", block_size=4)

@@ -6,6 +6,7 @@ file, ``torch``), never ``dflash_hf``.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -45,16 +46,40 @@ def _text_config(config: PreTrainedConfig) -> PreTrainedConfig:
     return getter(decoder=True) if getter is not None else config
 
 
+# RoPE keys of a target that rotate part of a head or split it by axis (Qwen3.5's multimodal RoPE, Gemma 4's
+# proportional RoPE); a drafter rotates its whole head, at the target's base
+_PARTIAL_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+_PARTIAL_ROPE_TYPES = {"proportional": "default"}
+
+
 def _full_attention_rope(rope_parameters: Any) -> dict | None:
-    """Return the RoPE parameters of the target's full-attention layers (Gemma 3 keeps one dict per layer type)."""
+    """Return the RoPE parameters of the target's full-attention layers (Gemma 3/4 keep one dict per layer type), as a
+    RoPE over the drafter's whole head: without the target's partial-rotation keys."""
     if not isinstance(rope_parameters, dict):
         return None
+    rope = None
     if "rope_type" in rope_parameters or "rope_theta" in rope_parameters:
-        return dict(rope_parameters)
+        rope = dict(rope_parameters)
     for key in ("full_attention", "global", "default"):
-        if isinstance(rope_parameters.get(key), dict):
-            return dict(rope_parameters[key])
-    return None
+        if rope is None and isinstance(rope_parameters.get(key), dict):
+            rope = dict(rope_parameters[key])
+    if rope is None:
+        return None
+    for key in _PARTIAL_ROPE_KEYS:
+        rope.pop(key, None)
+    if rope.get("rope_type") in _PARTIAL_ROPE_TYPES:
+        rope["rope_type"] = _PARTIAL_ROPE_TYPES[rope["rope_type"]]
+    return rope
+
+
+def _global_values(config: PreTrainedConfig) -> PreTrainedConfig:
+    """`config`, or for a config with per-layer attributes (Gemma 4's `per_layer_config`) a copy whose attributes read
+    their global values (the layers' common default; the drafter has one value of each)."""
+    if getattr(config, "per_layer_config", None) is None:
+        return config
+    config = copy.copy(config)
+    config.allow_global_per_layer_attribute_access = True
+    return config
 
 
 def real_token_count(tokenizer: Any) -> int:
@@ -606,14 +631,16 @@ class DFlashConfig(PreTrainedConfig):
         """Derive a drafter config from a target's config.
 
         Every dimension (hidden size, heads, KV heads, head dim, intermediate size, activation, RoPE, vocab) is
-        copied from the target, and `target_layer_ids` is always written out explicitly.
+        copied from the target (a target with per-layer values: their common default), as is a logit multiplier the
+        target applies before its softcap (`output_multiplier`), and `target_layer_ids` is always written out
+        explicitly.
 
         Mask token choice when `mask_token_id` is not given: the first embedding row past the tokenizer's real
         tokens ([`real_token_count`]) when a `tokenizer` is passed and the embedding has spare rows (Qwen3: 151669,
         the id of the official drafts; Qwen2.5: 151665); otherwise the last embedding row (`vocab_size - 1`). The mask row only feeds the drafter's masked slots; a
         generated token that happens to have the same id is an ordinary token everywhere else.
         """
-        text = _text_config(target_config)
+        text = _global_values(_text_config(target_config))
         num_target_layers = int(text.num_hidden_layers)
         if target_layer_ids is None:
             target_layer_ids = default_target_layer_ids(num_target_layers, num_target_features)
@@ -645,6 +672,9 @@ class DFlashConfig(PreTrainedConfig):
             num_target_layers=num_target_layers,
             target_model_type=getattr(text, "model_type", None),
         )
+        multiplier = getattr(text, "output_multiplier", None)  # Muse-Glimmer scales its logits before the cap
+        if multiplier is not None and float(multiplier) != 1.0:
+            values["output_multiplier"] = float(multiplier)
         values.update(kwargs)
         return cls(**values)
 
