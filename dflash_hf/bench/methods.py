@@ -86,23 +86,13 @@ def default_methods(
     rows = _transformers_rows(uses_engine_kernels(target), static, trained, prompt_lookup_num_tokens)
     if is_stateful(target):  # Transformers refuses assisted generation on a recurrent state
         rows = [row for row in rows if row.name not in _ASSISTED_ROWS]
-    draft_tree, lookup_branch = _tree_rows(target, drafter, draft_tree, lookup_branch)
+    draft_tree = draft_tree and not drafter.config.is_dflash2  # a DFlash 2 drafter's selector grows no trees
     rows += _engine_rows(sizes, trained, adaptive, lookup_branch, [int(n) for n in lookup_tokens], draft_tree)
     return [_method(target, drafter, row, compile) for row in rows]
 
 
 # Transformers' assisted-generation rows, which it refuses on a target with a recurrent state
 _ASSISTED_ROWS = ("prompt_lookup", "native_dflash")
-
-
-def _tree_rows(
-    target: PreTrainedModel, drafter: DFlashDraftModel, draft_tree: bool, lookup_branch: bool
-) -> tuple[bool, bool]:
-    """Which of the draft-tree and lookup-branch rows the pair can run: a DFlash 2 drafter's selector grows no trees;
-    a target with a recurrent state (a hybrid model) verifies the DFlash block alone, so neither."""
-    if is_stateful(target):
-        return False, False
-    return draft_tree and not drafter.config.is_dflash2, lookup_branch
 
 
 def drafter_methods(
@@ -120,7 +110,7 @@ def drafter_methods(
     [<tag>]`, each compared with the run's plain greedy: several drafters side by side in one run (`compile`: as
     there)."""
     sizes = _checked_sizes(drafter, block_sizes, lookup_tokens)
-    draft_tree, lookup_branch = _tree_rows(target, drafter, draft_tree, lookup_branch)
+    draft_tree = draft_tree and not drafter.config.is_dflash2  # a DFlash 2 drafter's selector grows no trees
     rows = _engine_rows(
         sizes, int(drafter.config.block_size), adaptive, lookup_branch, [int(n) for n in lookup_tokens], draft_tree
     )

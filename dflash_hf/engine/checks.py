@@ -215,19 +215,11 @@ def check_drafter(drafter) -> None:
         raise ValueError(f"`drafter` must be a DFlashDraftModel, got {type(drafter).__name__}.")
 
 
-def check_stateful_options(target: PreTrainedModel, candidates: str, compile_config: CompileConfig | None) -> None:
-    """Refuse what a hybrid target (linear-attention layers with one recurrent state per row) cannot verify: draft
-    trees (every branch would need its own state) and `compile=True` (its static caches hold keys and values only),
-    naming the options that work."""
-    name = type(target).__name__
-    if candidates == "tree":
-        raise ValueError(
-            f'candidates="tree" verifies branching token trees in one forward, and {name} carries one recurrent state '
-            'per row through its linear-attention layers: use candidates="dflash" or "dflash+lookup" (on this target '
-            "the lookup branch is not verified; each cycle verifies the DFlash block)."
-        )
+def check_stateful_options(target: PreTrainedModel, compile_config: CompileConfig | None) -> None:
+    """Refuse `compile=True` on a hybrid target (linear-attention layers with a recurrent state): its static caches
+    hold keys and values only."""
     if compile_config is not None:
         raise ValueError(
             f"compile=True keeps the target's keys and values in static caches, which hold no recurrent states of "
-            f"{name}'s linear-attention layers: generate with compile=False (the default)."
+            f"{type(target).__name__}'s linear-attention layers: generate with compile=False (the default)."
         )

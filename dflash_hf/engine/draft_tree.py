@@ -356,4 +356,7 @@ def pack_trees(trees: list[DraftTree], device: torch.device) -> TokenTrees:
 
     ids, parents, depths, valid, from_lookup = upload([padded(tree) for tree in trees], device).unbind(1)
     depth = max(max(tree.depths) for tree in trees)
-    return TokenTrees(ids, parents, depths, valid.bool(), from_lookup.bool(), depth, [len(tree) for tree in trees])
+    widths = [len(tree) for tree in trees]
+    return TokenTrees(
+        ids, parents, depths, valid.bool(), from_lookup.bool(), depth, widths, [list(tree.parents) for tree in trees]
+    )

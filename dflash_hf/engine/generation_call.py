@@ -128,8 +128,7 @@ class GenerationCall:
         # alone; sampling verifies the DFlash block (the chain) alone
         tree_verify = not do_sample and (process.is_identity or process.prefix_free)
         if self.linear_states is not None:
-            check_stateful_options(self.adapter.target, candidates, self.compile_config)
-            tree_verify = False  # one recurrent state per row: the lookup branch's tree verifies as the chain
+            check_stateful_options(self.adapter.target, self.compile_config)
         self.plan = CandidatePlan(candidates, self.max_block, lookup_tokens, tree_verify)
         if self.plan.source == "tree" and self.choice.selector is not None:
             raise ValueError(
@@ -291,6 +290,8 @@ class GenerationCall:
                 self.linear_states.keep(readout.kept)
         else:
             keep_path(self.target_cache, state.mask.shape[1], verdict.order[:, :width])
+            if self.linear_states is not None:
+                self.linear_states.keep(readout.kept, verdict.order)
             features = features.gather(1, verdict.order[:, :width, None].expand(-1, -1, features.shape[-1]))
         slots = torch.arange(width, device=self.device)
         state.mask = torch.cat([state.mask, (slots[None, :] < kept[:, None]).to(state.mask.dtype)], dim=1)

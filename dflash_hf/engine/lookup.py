@@ -84,6 +84,7 @@ def lookup_branch_trees(anchors: torch.LongTensor, drafts: torch.LongTensor, loo
         from_lookup=from_lookup,
         depth=max(k, m),
         widths=[k + 1 + len(tokens) for tokens in lookups],
+        parent_lists=[[0, *range(k), *([0, *range(k + 1, k + m)] if m else [])]] * batch,
     )
 
 

@@ -20,7 +20,9 @@ class TokenTrees(NamedTuple):
     """A batch of token trees, each tensor `(batch, W)`: node ids, parent pointers (the root, node 0, is its own
     parent), depths, whether a node is a real candidate (padding nodes never are) and whether it came from a lookup
     continuation. The host knows their shape from building them: the deepest node's `depth` and each row's number of
-    real nodes (`widths`, the root included)."""
+    real nodes (`widths`, the root included), and each row's parent pointers up to its last real node
+    (`parent_lists`: a hybrid target verifies each root-to-leaf path on a state of its own,
+    `target.linear_attention.path_batch`)."""
 
     ids: torch.LongTensor
     parents: torch.LongTensor
@@ -29,6 +31,7 @@ class TokenTrees(NamedTuple):
     from_lookup: torch.Tensor
     depth: int
     widths: list[int]
+    parent_lists: list[list[int]]
 
 
 def ancestor_mask(parents: torch.LongTensor, depth: int) -> torch.Tensor:

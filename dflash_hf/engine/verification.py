@@ -19,7 +19,7 @@ from transformers.generation.configuration_utils import CompileConfig
 from ..runtime import Stopwatch
 from ..target import row_exact
 from ..target.adapter import TargetAdapter
-from ..target.linear_attention import LinearAttentionStates
+from ..target.linear_attention import LinearAttentionStates, path_batch
 from ..target.windows import sliding_window_of
 from .candidates import Proposal, Verdict
 from .rows import ActiveRows
@@ -101,7 +101,11 @@ class Verifier:
         trees = proposal.trees if self.compile_config is None else pad_trees(proposal.trees, self.verify_width)
         positions = block_pos[:, :1] + trees.depths
         sees = ancestor_mask(trees.parents, trees.depth)
-        with self.timer, row_exact.verification(self.row_exact):
+        recording = contextlib.nullcontext()
+        if self.linear_states is not None:  # each root-to-leaf path on a recurrent state of its own
+            paths = path_batch(trees.parent_lists, trees.ids.shape[1], trees.ids.device)
+            recording = self.linear_states.verifying(paths)
+        with self.timer, row_exact.verification(self.row_exact), recording:
             dtype = self.adapter.embed_tokens.weight.dtype
             mask = tree_attention_mask(state.mask, sees, dtype, positions, self.sliding_window, self.keys)
             step = self.adapter.forward(trees.ids, mask, positions, self.cache, self.compile_config)

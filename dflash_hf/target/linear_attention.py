@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -72,9 +73,61 @@ def _gate_inputs(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.
     return module.in_proj_b(hidden_states), module.in_proj_a(hidden_states)
 
 
+class PathBatch(NamedTuple):
+    """The root-to-leaf paths of a batch of token trees, as a batch of chains: a tree verify runs each linear-attention
+    layer on its paths (`paths` per row, each `length` nodes, short ones repeating their leaf), every path with its own
+    copy of the row's states, and gives each node the output of the first path through it."""
+
+    nodes: torch.LongTensor  # (batch * paths * length,): the flat node (row * width + node) at each path position
+    outputs: torch.LongTensor  # (batch * width,): the flat path position whose output each node takes
+    node_path: torch.LongTensor  # (batch, width): the path each node's output comes from
+    paths: int
+    length: int
+
+
+def path_batch(parents: list[list[int]], width: int, device: torch.device) -> PathBatch:
+    """The [`PathBatch`] of trees given by each row's parent pointers on the host (node 0 the root, its own parent;
+    nodes past a row's list are padding, which take the root's output), padded to `width` nodes."""
+    rows = []
+    for row_parents in parents:
+        inner = {row_parents[node] for node in range(1, len(row_parents))}
+        paths = []
+        for leaf in (node for node in range(len(row_parents)) if node not in inner):
+            path = [leaf]
+            while path[-1] != 0:
+                path.append(row_parents[path[-1]])
+            paths.append(path[::-1])
+        rows.append(paths)
+    count = max(len(paths) for paths in rows)
+    length = max(len(path) for paths in rows for path in paths)
+    nodes, outputs, node_path = [], [], []
+    for row, paths in enumerate(rows):
+        paths = paths + [paths[0]] * (count - len(paths))
+        source = [(0, 0)] * width
+        for p, path in enumerate(reversed(paths)):  # the first path through a node wins
+            for depth, node in enumerate(path):
+                source[node] = (count - 1 - p, depth)
+        for path in paths:
+            nodes += [row * width + node for node in path + [path[-1]] * (length - len(path))]
+        outputs += [((row * count) + p) * length + depth for p, depth in source]
+        node_path.append([p for p, _ in source])
+    return PathBatch(
+        torch.tensor(nodes, device=device),
+        torch.tensor(outputs, device=device),
+        torch.tensor(node_path, device=device),
+        count,
+        length,
+    )
+
+
 class LinearAttentionStates:
     """The linear-attention layers of a hybrid target and the rollback of their states after a verify (see the
-    module docstring). One object per generation call, on that call's `cache`."""
+    module docstring). One object per generation call, on that call's `cache`.
+
+    A chain verify runs each layer on the main cache, recording. A tree verify ([`verifying`] with a [`PathBatch`])
+    runs each layer on the tree's paths instead (a forward pre-hook swaps the layer's input rows and cache for the
+    paths' and a forward hook maps the outputs back to the nodes), on a cache of its own whose states start as each
+    path's row's; the main cache's states stay as they were until [`keep`] advances them along the accepted path."""
 
     def __init__(self, target: PreTrainedModel, base_model: nn.Module, cache: Cache) -> None:
         self.cache = cache
@@ -88,25 +141,61 @@ class LinearAttentionStates:
                 )
         self._kept_states: dict[int, torch.Tensor] = {}
         self._inputs: dict[int, torch.Tensor] = {}
+        self._paths: PathBatch | None = None
+        self._path_cache: Cache | None = None
 
     def _layer(self, index: int) -> LinearAttentionCacheLayerMixin:
         return self.cache.layers[index]
 
     @contextlib.contextmanager
-    def verifying(self) -> Iterator[None]:
-        """Around one verify forward: keep each recurrent state, record the block's convolution inputs and each
-        layer's input rows."""
+    def verifying(self, paths: PathBatch | None = None) -> Iterator[None]:
+        """Around one verify forward: record each layer's convolution inputs and input rows; a chain also keeps each
+        recurrent state (the verify moves it), a tree (`paths`) runs on its paths' own cache."""
+        self._paths = paths
+        if paths is not None:
+            self._path_cache = self._paths_cache(paths.paths)
         handles = []
         for i, module in self.modules.items():
-            layer = self._layer(i)
-            self._kept_states[i] = layer.recurrent_states[0].clone()
-            layer.activate_past_recording()
+            if paths is None:
+                layer = self._layer(i)
+                self._kept_states[i] = layer.recurrent_states[0].clone()
+                layer.activate_past_recording()
+            else:  # registered first: the recorder then sees the paths' rows
+                handles.append(module.register_forward_pre_hook(self._to_paths, with_kwargs=True))
+                handles.append(module.register_forward_hook(self._to_nodes, with_kwargs=True))
             handles.append(module.register_forward_pre_hook(self._recorder(i), with_kwargs=True))
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
+
+    def _paths_cache(self, count: int) -> Cache:
+        """A cache whose linear-attention layers start from the main cache's states, each row's repeated for its
+        `count` paths, recording their convolution inputs."""
+        layers = [LinearAttentionLayer() for _ in self.cache.layers]
+        for i in self.modules:
+            main, layer = self._layer(i), layers[i]
+            conv, recurrent = main.conv_states[0], main.recurrent_states[0]
+            layer.lazy_initialization(conv_states=conv, conv_kernel_size=main.conv_kernel_size[0])
+            layer.lazy_initialization(recurrent_states=recurrent)
+            layer.conv_states[0] = conv.repeat_interleave(count, dim=0)
+            layer.recurrent_states[0] = recurrent.repeat_interleave(count, dim=0)
+            layer.has_previous_state[0] = True
+            layer.activate_past_recording()
+        return Cache(layers=layers)
+
+    def _to_paths(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        hidden_states = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
+        paths = self._paths
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        chains = flat[paths.nodes].view(-1, paths.length, hidden_states.shape[-1])
+        return (), {**kwargs, "hidden_states": chains, "cache": self._path_cache, "attention_mask": None}
+
+    def _to_nodes(self, module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
+        batch = output.shape[0] // self._paths.paths
+        nodes = output.reshape(-1, output.shape[-1])[self._paths.outputs]
+        return nodes.view(batch, -1, output.shape[-1])
 
     def _recorder(self, index: int):
         def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -115,42 +204,62 @@ class LinearAttentionStates:
         return record
 
     @torch.no_grad()
-    def keep(self, kept: list[int]) -> None:
-        """Make every layer's states those after each row's first `kept[row]` verified tokens."""
-        device = next(iter(self._inputs.values())).device if self._inputs else None
+    def keep(self, kept: list[int], order: torch.LongTensor | None = None) -> None:
+        """Make every layer's states those after each row's first `kept[row]` verified tokens: of the chain, or of a
+        tree's accepted path, whose node indices `order` lists (`(batch, >= max(kept))`, on the device)."""
+        rows = None
+        if order is not None:  # each row's path through its last accepted node
+            last = order.gather(1, torch.tensor(kept, device=order.device)[:, None] - 1)
+            path = self._paths.node_path.gather(1, last).squeeze(1)
+            rows = torch.arange(len(kept), device=order.device) * self._paths.paths + path
         for i, module in self.modules.items():
             layer = self._layer(i)
             window = layer.conv_kernel_size[0]
-            recorded = layer.conv_states[0]  # (batch, channels, window + verified)
-            verified = recorded.shape[-1] - window
+            if rows is None:
+                recorded, inputs, start = layer.conv_states[0], self._inputs[i], self._kept_states[i]
+            else:
+                recorded, inputs = self._path_cache.layers[i].conv_states[0][rows], self._inputs[i][rows]
+                start = layer.recurrent_states[0].clone()
+            verified = recorded.shape[-1] - window  # (batch, channels, window + verified)
             starts = torch.tensor(kept, device=recorded.device)
             index = (starts[:, None] + torch.arange(window, device=recorded.device)[None, :])[:, None, :]
             layer.conv_states[0] = recorded.gather(2, index.expand(-1, recorded.shape[1], -1)).contiguous()
             layer.record_past = False
             for count in sorted(set(kept)):
-                if count == verified:  # the verify's own state is the one after its last token
+                if rows is None and count == verified:  # the chain verify's own state: the one after its last token
                     continue
-                rows = torch.tensor([r for r, n in enumerate(kept) if n == count], device=device)
-                state = self._advanced(module, i, recorded, rows, count, window)
-                layer.recurrent_states[0].index_copy_(0, rows, state.to(layer.recurrent_states[0].dtype))
+                group = torch.tensor([r for r, n in enumerate(kept) if n == count], device=recorded.device)
+                state = self._advanced(module, recorded[group], inputs[group], start[group], count, window)
+                layer.recurrent_states[0].index_copy_(0, group, state.to(layer.recurrent_states[0].dtype))
         self._kept_states.clear()
         self._inputs.clear()
+        self._paths = self._path_cache = None
 
+    @staticmethod
     def _advanced(
-        self, module: nn.Module, index: int, recorded: torch.Tensor, rows: torch.Tensor, count: int, window: int
+        module: nn.Module,
+        recorded: torch.Tensor,
+        inputs: torch.Tensor,
+        start: torch.Tensor,
+        count: int,
+        window: int,
     ) -> torch.Tensor:
-        """The kept recurrent state of `rows` advanced over their first `count` verified tokens."""
+        """`start`, the recurrent states of some rows, advanced over their first `count` verified tokens: their
+        recorded convolution inputs `recorded` (`(rows, channels, window + verified)`) and the layer's input rows
+        `inputs`."""
         functions = sys.modules[type(module).__module__]
-        inputs = recorded[rows, :, : window + count]
         mixed = functions.causal_conv1d_fn(
-            inputs, module.conv1d.weight.squeeze(1), module.conv1d.bias, activation=module.activation
+            recorded[:, :, : window + count],
+            module.conv1d.weight.squeeze(1),
+            module.conv1d.bias,
+            activation=module.activation,
         )[:, :, -count:].transpose(1, 2)
         query, key, value = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
-        batch = rows.shape[0]
+        batch = recorded.shape[0]
         query = query.reshape(batch, count, -1, module.head_k_dim)
         key = key.reshape(batch, count, -1, module.head_k_dim)
         value = value.reshape(batch, count, -1, module.head_v_dim)
-        b, a = _gate_inputs(module, self._inputs[index][rows, :count])
+        b, a = _gate_inputs(module, inputs[:, :count])
         beta = b.sigmoid()
         g = -module.A_log.float().exp() * nn.functional.softplus(a.float() + module.dt_bias)
         _, state = functions.torch_recurrent_gated_delta_rule(
@@ -159,7 +268,7 @@ class LinearAttentionStates:
             value,
             g=g,
             beta=beta,
-            initial_state=self._kept_states[index][rows],
+            initial_state=start,
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
         )
