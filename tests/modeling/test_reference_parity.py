@@ -321,3 +321,20 @@ def test_dflash2_export_loads_into_the_reference_and_drafts_the_same(target, tmp
         assert again.config.is_dflash2
         for name, tensor in drafter.state_dict().items():
             assert torch.equal(again.state_dict()[name], tensor), name
+
+
+def test_on_a_hybrid_target_the_reference_drifts_after_a_rejection_and_this_package_does_not(tmp_path, monkeypatch):
+    """A Qwen3.5 target: the reference's loop crops its cache after a rejection, which rolls back the keys, values and
+    convolution states but leaves each linear-attention layer's recurrent state past the rejected drafts, so its
+    output leaves plain greedy's; this package's stays plain greedy's. Until the first rejection both draft alike."""
+    target = make_target("qwen3_5_text", vocab_size=VOCAB)
+    target.generation_config.eos_token_id = None
+    model = reference_drafter(tmp_path, VARIANTS["full"])
+    seen = record_draft_logits(monkeypatch)
+    expected = reference.dflash_generate(model, target, PROMPT, 40, None, return_stats=True)
+    ours = run_ours(target, DFlashDraftModel.from_pretrained(tmp_path, dtype=torch.float32), PROMPT)
+    plain = target.generate(PROMPT, max_new_tokens=40, do_sample=False)
+    assert torch.equal(ours.sequences, plain)
+    assert not torch.equal(expected.output_ids[:, : plain.shape[1]], plain)
+    assert expected.acceptance_lengths[0] < BLOCK  # its first cycle rejected drafts
+    torch.testing.assert_close(seen["ours"][0], seen["reference"][0].float(), atol=1e-4, rtol=1e-4)
