@@ -110,10 +110,13 @@ def keep_path(cache: Cache, start: int, order: torch.LongTensor) -> None:
     """Replace the positions from `start` on with the positions `start + order[row]` of each row (a tree verify keeps
     only its accepted path, `order` of shape `(batch, width)`); the cache then ends after the path."""
     width = order.shape[1]
+
+    def path_of(tensor: torch.Tensor) -> torch.Tensor:  # keys and values may differ in heads and size (latent attention)
+        index = order.to(tensor.device)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[-1])
+        return tensor[..., start:, :].gather(2, index)
+
     for layer in _layers(cache):
-        index = order.to(layer.keys.device)[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-        path_keys = layer.keys[..., start:, :].gather(2, index)
-        path_values = layer.values[..., start:, :].gather(2, index)
+        path_keys, path_values = path_of(layer.keys), path_of(layer.values)
         if isinstance(layer, StaticLayer):
             layer.keys[..., start : start + width, :].copy_(path_keys)
             layer.values[..., start : start + width, :].copy_(path_values)
