@@ -111,7 +111,9 @@ def keep_path(cache: Cache, start: int, order: torch.LongTensor) -> None:
     only its accepted path, `order` of shape `(batch, width)`); the cache then ends after the path."""
     width = order.shape[1]
 
-    def path_of(tensor: torch.Tensor) -> torch.Tensor:  # keys and values may differ in heads and size (latent attention)
+    def path_of(
+        tensor: torch.Tensor,
+    ) -> torch.Tensor:  # keys and values may differ in heads and size (latent attention)
         index = order.to(tensor.device)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[-1])
         return tensor[..., start:, :].gather(2, index)
 
