@@ -207,3 +207,24 @@ def test_sampling_on_a_hybrid_target_is_exact_in_distribution():
         target, drafter.eval(), prompt, exact_joint_of_tokens_2_and_3(target, prompt), "sample"
     )
     assert statistic < chi_square_bound(cells), statistic
+
+
+@pytest.mark.parametrize(
+    ("shape", "model_type", "layers"),
+    [("qwen3.5-9b", "qwen3_5_text", 32), ("qwen3.6-27b", "qwen3_5_text", 64), ("gemma-4-31b", "gemma4_text", 60)],
+)
+def test_real_shapes_and_their_scaled_down_twins(shape, model_type, layers):
+    """The public shapes (configs only, nothing built) and their scaled-down twins, which build and run here."""
+    from dflash_hf.random_targets import random_config
+
+    config = random_config(f"random:{shape}")
+    assert config.model_type == model_type and config.num_hidden_layers == layers
+    assert DFlashConfig.from_target(config).hidden_size == config.hidden_size
+    twin_name = {"qwen3_5_text": "random:tiny-qwen3.5", "gemma4_text": "random:tiny-gemma4"}[model_type]
+    twin, _ = dflash_hf.targets.load_target(twin_name, dtype="float32")
+    assert twin.config.model_type == model_type
+    drafter = make_drafter(twin)
+    prompt = torch.tensor([[5, 7, 3, 9]])
+    for candidates in ("dflash", "tree"):
+        out = dflash_hf.generate(twin, drafter, prompt, max_new_tokens=8, candidates=candidates)
+        assert torch.equal(out, greedy_reference(twin, prompt, max_new_tokens=8))
