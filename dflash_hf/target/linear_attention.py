@@ -21,6 +21,7 @@ What differs between the hybrid families (where the gates come from) is [`_gate_
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sys
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -219,7 +220,7 @@ class LinearAttentionStates:
                 recorded, inputs, start = layer.conv_states[0], self._inputs[i], self._kept_states[i]
             else:
                 recorded, inputs = self._path_cache.layers[i].conv_states[0][rows], self._inputs[i][rows]
-                start = layer.recurrent_states[0].clone()
+                start = layer.recurrent_states[0]  # as before the verify; each group reads its own rows first
             verified = recorded.shape[-1] - window  # (batch, channels, window + verified)
             starts = torch.tensor(kept, device=recorded.device)
             index = (starts[:, None] + torch.arange(window, device=recorded.device)[None, :])[:, None, :]
@@ -228,7 +229,12 @@ class LinearAttentionStates:
             for count in sorted(set(kept)):
                 if rows is None and count == verified:  # the chain verify's own state: the one after its last token
                     continue
-                group = torch.tensor([r for r, n in enumerate(kept) if n == count], device=recorded.device)
+                rows_kept = [r for r, n in enumerate(kept) if n == count]
+                if len(rows_kept) == len(kept):  # one group: no copies of its rows
+                    state = self._advanced(module, recorded, inputs, start, count, window)
+                    layer.recurrent_states[0].copy_(state)
+                    continue
+                group = torch.tensor(rows_kept, device=recorded.device)
                 state = self._advanced(module, recorded[group], inputs[group], start[group], count, window)
                 layer.recurrent_states[0].index_copy_(0, group, state.to(layer.recurrent_states[0].dtype))
         self._kept_states.clear()
@@ -262,6 +268,8 @@ class LinearAttentionStates:
         b, a = _gate_inputs(module, inputs[:, :count])
         beta = b.sigmoid()
         g = -module.A_log.float().exp() * nn.functional.softplus(a.float() + module.dt_bias)
+        if not _RECURRENCE_KERNELS:
+            return _state_after(functions.l2norm(key.float(), dim=-1, eps=1e-6), value, g, beta, start)
         _, state = functions.torch_recurrent_gated_delta_rule(
             query,
             key,
@@ -273,3 +281,32 @@ class LinearAttentionStates:
             use_qk_l2norm_in_kernel=True,
         )
         return state
+
+
+# Whether Transformers runs Gated DeltaNet layers with `flash-linear-attention`'s kernels (their fused recurrence is
+# then the rollback's); without them its PyTorch recurrence also computes every token's output, which a rollback
+# does not need: [`_state_after`] advances the state alone, on the same arithmetic.
+_RECURRENCE_KERNELS = importlib.util.find_spec("fla") is not None
+
+
+def _state_after(
+    key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> torch.Tensor:
+    """The gated delta rule's state after the tokens of `key` (l2-normed), `value` (`(rows, tokens, heads, dim)`,
+    keys grouped over fewer heads repeated to the value heads), log-decays `g` and rates `beta` (`(rows, tokens,
+    heads)`), from `state` (`(rows, heads, key dim, value dim)`): per token, decay the state, then move its reading
+    at the key towards the value by `beta`, in float32 as Transformers' recurrence."""
+    rows, tokens, heads, value_dim = value.shape
+    if key.shape[2] != heads:
+        key = key.repeat_interleave(heads // key.shape[2], dim=2)
+    # one (row, head) pair per matrix: (tokens, rows * heads, dim)
+    key = key.float().transpose(0, 1).reshape(tokens, rows * heads, -1, 1).contiguous()
+    value = value.float().transpose(0, 1).reshape(tokens, rows * heads, 1, value_dim).contiguous()
+    decay = g.float().exp().transpose(0, 1).reshape(tokens, rows * heads, 1, 1).contiguous()
+    beta = beta.float().transpose(0, 1).reshape(tokens, rows * heads, 1, 1).contiguous()
+    state = state.to(torch.float32, copy=True).reshape(rows * heads, -1, value_dim)
+    for token in range(tokens):
+        state.mul_(decay[token])
+        reading = torch.bmm(key[token].transpose(1, 2), state)
+        state.baddbmm_(key[token], (value[token] - reading) * beta[token])
+    return state.view(rows, heads, -1, value_dim)

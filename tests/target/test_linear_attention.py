@@ -77,3 +77,29 @@ def test_a_tree_verify_on_a_recurrent_state_is_each_paths_own(family, path):
     _, expected = _stepped(adapter, prompt, torch.cat([ids[:, path], following], dim=1))
     # float32 rounding of a tree forward against one-token steps, grown through one more step of a random model
     torch.testing.assert_close(adapter.logits(step.last_hidden_state)[0, -1], expected, rtol=0, atol=5e-4)
+
+
+def test_the_state_alone_is_transformers_recurrences_state():
+    """Without `flash-linear-attention` the rollback advances the state alone: the state Transformers' recurrence
+    ends in (grouped keys: 2 key heads for 4 value heads)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
+
+    generator = torch.Generator().manual_seed(0)
+    rows, tokens = 3, 5
+    query, key = (torch.randn(rows, tokens, 2, 16, generator=generator) for _ in range(2))
+    value = torch.randn(rows, tokens, 4, 16, generator=generator)
+    g, beta = -torch.rand(rows, tokens, 4, generator=generator), torch.rand(rows, tokens, 4, generator=generator)
+    start = torch.randn(rows, 4, 16, 16, generator=generator)
+    _, expected = qwen.torch_recurrent_gated_delta_rule(
+        query, key, value, g=g, beta=beta, initial_state=start, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    got = linear_attention._state_after(qwen.l2norm(key, dim=-1, eps=1e-6), value, g, beta, start)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_with_recurrence_kernels_the_layers_own_recurrence_rolls_back(monkeypatch):
+    """Where Transformers has `flash-linear-attention`, the rollback calls the layer's own recurrence (here its
+    PyTorch one, which that path dispatches to without the package): the same exact outputs."""
+    monkeypatch.setattr(linear_attention, "_RECURRENCE_KERNELS", True)
+    test_a_tree_verify_on_a_recurrent_state_is_each_paths_own("qwen3_next", [0, 4, 5])
+    test_a_tree_verify_on_a_recurrent_state_is_each_paths_own("qwen3_5_text", [0, 1, 2])
