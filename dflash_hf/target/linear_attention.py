@@ -9,13 +9,17 @@ of them needs the states after its `m`-th. [`LinearAttentionStates`] does it wit
   `[previous kernel window, block inputs]`), and keeps each layer's input rows (a forward pre-hook, attached for that
   forward only);
 * after the verdict ([`LinearAttentionStates.keep`]) each row's convolution state is the kernel window that ends at its
-  `m`-th token, and its recurrent state is the kept one advanced over its `m` accepted tokens by the layer's own
-  one-token recurrence (the module's `torch_recurrent_gated_delta_rule`, the function plain decoding steps with, or
-  the kernel Transformers dispatches it to), on the queries, keys, values and gates the verify computed (convolved
-  from the recorded inputs; the small gate projections re-applied to the kept input rows). Rows that accepted the
-  same count share one call; rows that accepted the whole block keep the verify's own state.
+  `m`-th token, and its recurrent state is the kept one advanced over its `m` accepted tokens, on the queries, keys,
+  values and gates the verify computed (convolved from the recorded inputs by the module's own `causal_conv1d_fn`; the
+  small gate projections re-applied to the kept input rows): by the module's own recurrence where Transformers runs it
+  on `flash-linear-attention`'s kernel, else by [`_state_after`], the same arithmetic without the per-token outputs
+  Transformers' PyTorch recurrence also computes. Rows that accepted the same count share one call; rows that accepted
+  the whole block keep the verify's own state.
 
-What differs between the hybrid families (where the gates come from) is [`_gate_inputs`].
+A token tree (the lookup branch, a draft tree) cannot run through one recurrent state: its verify runs each layer on
+the tree's root-to-leaf paths ([`path_batch`]), each with a copy of its row's states, and the kept path's states are
+advanced from the untouched ones the same way. What differs between the hybrid families (where the gates come from)
+is [`_gate_inputs`].
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ def linear_attention_layers(config) -> list[int]:
 
 def is_stateful(target: PreTrainedModel) -> bool:
     """Whether `target` has layers with a recurrent state (a hybrid model): its verifies need
-    [`LinearAttentionStates`], and it cannot verify token trees in one forward."""
+    [`LinearAttentionStates`]."""
     return bool(linear_attention_layers(target.config))
 
 
