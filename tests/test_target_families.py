@@ -1,5 +1,5 @@
-"""Every target family beyond the dense Qwen/LLaMA/Gemma 3 ones through the whole pipeline, as a user with such a
-target runs it: make-data, cached features, a short training run, both exports with their model cards, and a bench
+"""Every target family beyond the dense Qwen/LLaMA/Gemma 3 ones, bare and in the multimodal wrappers Transformers
+loads them in, through the whole pipeline, as a user with such a target runs it: make-data, cached features, a short training run, both exports with their model cards, and a bench
 whose every row is exact (a hybrid target's bench leaves out Transformers' assisted generation, which it refuses)."""
 
 from __future__ import annotations
@@ -9,9 +9,11 @@ import torch
 from testing_utils import (
     HYBRID_FAMILIES,
     MOE_FAMILIES,
+    WRAPPERS,
     make_oracle,
     make_target,
     make_tokenizer,
+    make_wrapped_target,
     run_make_data,
     tiny_train_config,
     write_prompts,
@@ -23,7 +25,7 @@ from dflash_hf.data.features import OfflineFeatureDataset, cache_features
 from dflash_hf.data.make_folder import load_training_data
 from dflash_hf.target.support import TARGET_FAMILIES
 
-FAMILIES = [*MOE_FAMILIES, *HYBRID_FAMILIES, "gemma4_text", "deepseek_v3"]
+FAMILIES = [*MOE_FAMILIES, *HYBRID_FAMILIES, "gemma4_text", "deepseek_v3", *(f"wrapped:{name}" for name in WRAPPERS)]
 NOTES = {"qwen": "Notes for Qwen targets", "gemma": "Notes for Gemma targets"}
 
 
@@ -31,7 +33,10 @@ NOTES = {"qwen": "Notes for Qwen targets", "gemma": "Notes for Gemma targets"}
 def test_a_family_through_make_data_features_training_exports_and_bench(family, tmp_path):
     from dflash_hf.trainers import DFlashTrainer
 
-    target, tokenizer = make_target(family), make_tokenizer()
+    wrapper = family.removeprefix("wrapped:") if family.startswith("wrapped:") else None
+    target = make_wrapped_target(wrapper) if wrapper else make_target(family)
+    tokenizer = make_tokenizer()
+    family = target.config.get_text_config(decoder=True).model_type
     prompts = write_prompts(tmp_path / "prompts.jsonl", ["hello world", "list three colors", "how do birds fly"])
     manifest = run_make_data(target, tokenizer, tmp_path / "data", prompts, max_new_tokens=12)
     assert manifest["target_model_type"] == family

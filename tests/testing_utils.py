@@ -162,6 +162,40 @@ def make_target(
     return model
 
 
+# multimodal wrappers (as `AutoModelForImageTextToText` loads them) and the text decoder family each holds
+WRAPPERS = {"qwen3_5": "qwen3_5_text", "gemma4": "gemma4_text", "kimi_k25": "deepseek_v3", "muse_glimmer": None}
+_VISION = {
+    "qwen3_5": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=COMMON["hidden_size"]),
+    "gemma4": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16),
+    "kimi_k25": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     pos_emb_height=4, pos_emb_width=4),
+    "muse_glimmer": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         pos_emb_height=4, pos_emb_width=4),
+}  # fmt: skip
+
+
+def make_wrapped_target(model_type: str):
+    """A tiny multimodal wrapper (`AutoModelForImageTextToText`) around the text decoder `make_target` builds for its
+    family (its weights copied in), or Muse-Glimmer's own (sliding window 8), which exists only wrapped."""
+    from transformers import AutoModelForImageTextToText
+
+    extra = {"audio_config": None} if model_type == "gemma4" else {}
+    family = WRAPPERS[model_type]
+    text = make_target(family) if family else None
+    text_config = text.config.to_dict() if text else {**COMMON, "sliding_window": GEMMA_SLIDING_WINDOW}
+    if model_type == "kimi_k25":
+        extra["projection_hidden_size"] = 32
+    config = AutoConfig.for_model(model_type, text_config=text_config, vision_config=_VISION[model_type], **extra)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    if text is not None:
+        model.model.language_model.load_state_dict(text.model.state_dict())
+        model.lm_head.load_state_dict(text.lm_head.state_dict())
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = 2
+    return model
+
+
 def make_tiny_target(family: str = "llama", seed: int = 0, vocab_size: int = 64):
     """A tiny random target (hidden 64, 6 layers) of a supported family, built offline (see `make_target`)."""
     return make_target(family, seed=seed, vocab_size=vocab_size)

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from .. import mkl_choice
 from ..modeling import DFlashDraftModel
 from ..runtime import available_cpus, clock, cpu_model, mkl_mode, native_bf16_feature
+from ..target.support import text_config
 from .methods import BenchMethod, default_methods
 from .profile import measure_costs
 from .prompts import BenchPrompt
@@ -159,7 +160,7 @@ def _recorded_settings(
         "decoding": "greedy",
         "batch_size": 1,
         "dtype": str(target.dtype).replace("torch.", ""),
-        "target_model_type": getattr(target.config, "model_type", None),
+        "target_model_type": text_config(target).model_type,
         "drafter_block_size": int(drafter.config.block_size),
         "drafter_layers": int(drafter.config.num_hidden_layers),
         "target_layer_ids": list(drafter.config.target_layer_ids),

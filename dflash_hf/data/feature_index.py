@@ -21,6 +21,7 @@ from typing import Any
 from safetensors import SafetensorError, safe_open
 
 from ..fileio import atomic_write_text, path_inside, read_json
+from ..target.support import text_config
 
 FEATURES_FORMAT = "dflash-hf-features/1"
 INDEX_NAME = "index.json"
@@ -172,7 +173,7 @@ def settings_of(
     return {
         "format": FEATURES_FORMAT,
         "target": target_name,
-        "target_model_type": getattr(target.config, "model_type", None),
+        "target_model_type": text_config(target).model_type,
         "target_layer_ids": [int(i) for i in target_layer_ids],
         "hidden_size": adapter.hidden_size,
         "width": adapter.hidden_size * len(target_layer_ids),

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..special_tokens import first_token_id, token_ids
+from ..target.support import text_config
 from .batching import pad
 from .capture import FeatureRecorder
 from .make_folder import (
@@ -165,7 +166,7 @@ def make_data(
     train = ordered(train, prompt_order)
     out = Path(out_dir)
     settings = folder_settings(
-        target_name, getattr(target.config, "model_type", None), source, max_new_tokens, max_prompt_tokens,
+        target_name, text_config(target).model_type, source, max_new_tokens, max_prompt_tokens,
         held_out_fraction, seed, use_chat_template, responses, turn, prompt_order, server is not None,
         _build(target, server is not None or responses == "source"),
     )  # fmt: skip

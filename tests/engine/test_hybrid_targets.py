@@ -11,6 +11,7 @@ import torch
 from testing_utils import (
     COMMON,
     HYBRID_FAMILIES,
+    WRAPPERS,
     assert_rows_are_greedy,
     chi_square,
     chi_square_bound,
@@ -21,9 +22,10 @@ from testing_utils import (
     make_drafter,
     make_oracle,
     make_target,
+    make_wrapped_target,
     tiny_sampling_models,
 )
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import dflash_hf
 from dflash_hf import DFlashConfig, DFlashDraftModel
@@ -129,36 +131,9 @@ def test_drafters_from_hybrid_and_gemma4_configs():
     assert not getattr(gemma.config, "allow_global_per_layer_attribute_access", False)  # the target's config untouched
 
 
-_VISION = {
-    "qwen3_5": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=COMMON["hidden_size"]),
-    "gemma4": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16),
-    "muse_glimmer": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         pos_emb_height=4, pos_emb_width=4),
-}  # fmt: skip
-
-
-def _wrapped(model_type: str):
-    """A tiny multimodal wrapper (loaded as Transformers loads it, `AutoModelForImageTextToText`): around the text
-    decoder `make_target` builds for the family (Qwen3.5, Gemma 4), or Muse-Glimmer's own (sliding window 8)."""
-    extra = {"audio_config": None} if model_type == "gemma4" else {}
-    if model_type == "muse_glimmer":
-        text_config = {**COMMON, "sliding_window": 8}
-    else:
-        text = make_target({"qwen3_5": "qwen3_5_text", "gemma4": "gemma4_text"}[model_type])
-        text_config = text.config.to_dict()
-    config = AutoConfig.for_model(model_type, text_config=text_config, vision_config=_VISION[model_type], **extra)
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(config).eval()
-    if model_type != "muse_glimmer":
-        model.model.language_model.load_state_dict(text.model.state_dict())
-        model.lm_head.load_state_dict(text.lm_head.state_dict())
-    model.generation_config.pad_token_id = 0
-    return model
-
-
 def test_the_adapter_gives_the_targets_own_logits():
     """Muse-Glimmer multiplies its logits before the softcap: the engine's logits are the model's, bit for bit."""
-    target = _wrapped("muse_glimmer")
+    target = make_wrapped_target("muse_glimmer")
     adapter = TargetAdapter(target, [1, 3])
     ids = torch.tensor([PROMPTS[0]])
     step = adapter.forward(ids, None, torch.arange(ids.shape[1])[None], new_target_cache(target))
@@ -167,9 +142,9 @@ def test_the_adapter_gives_the_targets_own_logits():
     assert make_drafter(target).config.output_multiplier == target.config.text_config.output_multiplier
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5", "gemma4", "muse_glimmer"])
+@pytest.mark.parametrize("model_type", list(WRAPPERS))
 def test_multimodal_wrappers_generate_text_exactly(model_type):
-    target, references = _prepared(_wrapped(model_type))
+    target, references = _prepared(make_wrapped_target(model_type))
     out, input_ids = _generate(target, references, candidates="dflash+lookup", block_size=4)
     assert_rows_are_greedy(out.sequences, input_ids.shape[1], PROMPTS, references, model_type)
     drafter = make_drafter(target)
