@@ -14,6 +14,9 @@
 #    samples) against batch size, online features, bf16: the bundled SmolLM2 drafter on its committed rows;
 # 3b. train-paper: the same for the DFlash paper's shape (a 5-layer, B=16 drafter, examples/recipes/qwen3-8b.yaml) on
 #    the random-weight Qwen3-8B-shaped target, over ShareGPT's own replies (no generation; random weights: speed only);
+# 4. today (only with PARTS=today): the oracle rows of part 1 on today's targets' shapes, random weights in bf16
+#    (TODAY_TARGETS: hybrid Qwen3.5-9B and Qwen3.6-27B, whose rows include the recurrent-state rollback; gpt-oss-20b,
+#    Qwen3-Coder-30B-A3B, Gemma-4-31B); the 27B+ shapes need an 80 GB GPU, Gemma-4-31B an H200;
 # then docs/results.md's tables of the bench runs (OUT/results.md) and the trainer's (OUT/train-throughput.md).
 #
 # Every setting below can be changed from the environment (e.g. BATCH_SIZES="32 64", SECONDS_PER_RUN=120, PARTS=train
@@ -35,6 +38,7 @@ SECONDS_PER_RUN=${SECONDS_PER_RUN:-90}
 STEPS=${STEPS:-100000}  # at most this many optimizer steps per training run (SECONDS_PER_RUN ends it first)
 TRAIN_ROWS=${TRAIN_ROWS:-4096}
 PARTS=${PARTS:-"oracle compiled pair train train-paper"}
+TODAY_TARGETS=${TODAY_TARGETS:-"random:qwen3.5-9b random:gpt-oss-20b random:qwen3-coder-30b-a3b random:qwen3.6-27b random:gemma-4-31b"}
 mkdir -p "$OUT"
 
 runs() { [[ " $PARTS " == *" $1 "* ]]; }  # whether part $1 runs
@@ -65,8 +69,17 @@ if runs pair; then
     done
 fi
 
+# 4. today's targets: the ceiling on each shape (eager: a hybrid target refuses --compile)
+if runs today; then
+    for target in $TODAY_TARGETS; do
+        bench --target "$target" --dtype bfloat16 --block-sizes 16 --oracle "$ORACLE" --no-adaptive \
+            --skip dflash,prompt_lookup,native_dflash --out "$OUT/oracle-$(echo "$target" | tr ':' '-')" \
+            || echo "oracle rows on $target did not run (out of memory on this GPU?)"
+    done
+fi
+
 # the results page of the bench runs, before the trainer's parts
-if runs oracle || runs compiled || runs pair; then
+if runs oracle || runs compiled || runs pair || runs today; then
     dflash-hf results-doc "$OUT" --out "$OUT/results.md"
 fi
 
