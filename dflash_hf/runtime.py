@@ -259,3 +259,14 @@ def forwards_alone() -> contextlib.AbstractContextManager[None]:
     """Within this block an eager forward of the engine never runs beside a compiled one ([`compiled_call`]), in any
     thread (eager ones run beside each other)."""
     return _FORWARDS.shared()
+
+
+# A plain copy from the host to a GPU (`torch.tensor(values, device="cuda")`) waits until the device has finished all
+# the work queued before it, like a read does; `upload` copies through page-locked memory without blocking, so the host
+# goes on queueing work while the copy waits its turn in the stream.
+def upload(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """`values` (nested lists of numbers) as a tensor on `device`, copied without waiting for the device's queue."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

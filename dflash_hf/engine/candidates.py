@@ -28,14 +28,13 @@ from transformers.cache_utils import Cache
 from transformers.generation.configuration_utils import CompileConfig
 
 from ..modeling.modeling_dflash import key_positions
-from ..runtime import Stopwatch, compiled_call, forwards_alone
+from ..runtime import Stopwatch, compiled_call, forwards_alone, upload
 from ..target.adapter import TargetAdapter, TargetStep
 from .cache_ops import drop_leading, truncate_cache
 from .draft_tree import DEFAULT_TREE_NODES, DraftTree, DraftTreeSearch, pack_trees
 from .lookup import LookupBranchChoice, Lookups, lookup_branch_length, lookup_branch_trees
 from .rows import ActiveRows
 from .token_choice import TokenChoice, finite_slots
-from .transfers import upload
 from .tree import TokenTrees
 
 # what a verify checks: the DFlash block alone, with a lookup branch, or a draft tree (`draft_tree`) with one

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..runtime import upload
 from .block_size import cost_line
-from .transfers import upload
 from .tree import TokenTrees
 
 DEFAULT_TREE_NODES = 16  # most nodes a tree verifies beyond the DFlash block (side branches and lookup tokens)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from .transfers import upload
+from ..runtime import upload
 from .tree import TokenTrees
 
 LOOKUP_NGRAM_SIZES = (3, 2)  # longest n-gram first, as prompt lookup does; 1-grams match too often to pay

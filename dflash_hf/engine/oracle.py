@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..runtime import upload
 from ..special_tokens import token_ids
 from .candidates import DFlashChain, Proposal, Readout
 from .rows import ActiveRows
-from .transfers import upload
 
 
 @dataclass(frozen=True)

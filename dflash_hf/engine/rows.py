@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .transfers import upload
+from ..runtime import upload
 
 
 def mask_or_none(mask: torch.Tensor, padded: bool, block: int = 0) -> torch.Tensor | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
-from .transfers import upload
+from ..runtime import upload
 
 
 def plain_stop_token_ids(stopping_criteria: StoppingCriteriaList) -> set[int] | None:

@@ -19,7 +19,7 @@ from transformers.generation.configuration_utils import CompileConfig
 from ..runtime import Stopwatch
 from ..target import row_exact
 from ..target.adapter import TargetAdapter
-from ..target.linear_attention import LinearAttentionStates, path_batch
+from ..target.linear_attention import LINEAR_ATTENTION, LinearAttentionStates, path_batch
 from ..target.windows import sliding_window_of
 from .candidates import Proposal, Verdict
 from .rows import ActiveRows
@@ -73,6 +73,14 @@ class Verifier:
         self.sliding_window = sliding_window_of(adapter.target.config)
         self.keys = cache.layers[0].max_cache_len if compile_config is not None else None
 
+    @staticmethod
+    def _layer_masks(mask: torch.Tensor | dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+        """A hybrid target's masks by layer type, made here: the attention layers' 4-D ones, and none for its
+        linear-attention layers, whose verified tokens are never padding (left to Transformers, a padded batch's 2-D
+        mask would be read on the host to find that out)."""
+        masks = dict(mask) if isinstance(mask, dict) else {"full_attention": mask}
+        return {**masks, LINEAR_ATTENTION: None}
+
     def _new_keys(self, state: ActiveRows, width: int) -> int:
         """Positions the verify's mask adds after the cached ones: the verified ones, or the rest of a static
         cache."""
@@ -90,6 +98,15 @@ class Verifier:
         recording = self.linear_states.verifying() if self.linear_states is not None else contextlib.nullcontext()
         with self.timer, row_exact.verification(self.row_exact), recording:
             mask = state.attention_mask(self._new_keys(state, block_ids.shape[1]))
+            if self.linear_states is not None and mask is not None:
+                width = block_ids.shape[1]
+                causal = torch.ones(width, width, dtype=torch.bool, device=block_ids.device).tril()
+                dtype = self.adapter.embed_tokens.weight.dtype
+                mask = self._layer_masks(
+                    tree_attention_mask(
+                        state.mask, causal.expand(len(state.rows), -1, -1), dtype, block_pos, self.sliding_window
+                    )
+                )
             step = self.adapter.forward(block_ids, mask, block_pos, self.cache, self.compile_config)
             target_logits = self.adapter.logits(step.last_hidden_state)
             accepted, next_tokens = self.choice.accept(
@@ -108,6 +125,8 @@ class Verifier:
         with self.timer, row_exact.verification(self.row_exact), recording:
             dtype = self.adapter.embed_tokens.weight.dtype
             mask = tree_attention_mask(state.mask, sees, dtype, positions, self.sliding_window, self.keys)
+            if self.linear_states is not None:
+                mask = self._layer_masks(mask)
             step = self.adapter.forward(trees.ids, mask, positions, self.cache, self.compile_config)
             target_tokens = self.choice.node_tokens(self.adapter.logits(step.last_hidden_state), state.rows)
         result = accept_tree(trees.ids, trees.parents, trees.depths, trees.valid, target_tokens, trees.depth)

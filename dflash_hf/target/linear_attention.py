@@ -41,6 +41,8 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
+from ..runtime import upload
+
 LINEAR_ATTENTION = "linear_attention"
 
 
@@ -116,13 +118,7 @@ def path_batch(parents: list[list[int]], width: int, device: torch.device) -> Pa
             nodes += [row * width + node for node in path + [path[-1]] * (length - len(path))]
         outputs += [((row * count) + p) * length + depth for p, depth in source]
         node_path.append([p for p, _ in source])
-    return PathBatch(
-        torch.tensor(nodes, device=device),
-        torch.tensor(outputs, device=device),
-        torch.tensor(node_path, device=device),
-        count,
-        length,
-    )
+    return PathBatch(upload(nodes, device), upload(outputs, device), upload(node_path, device), count, length)
 
 
 class LinearAttentionStates:
@@ -214,7 +210,7 @@ class LinearAttentionStates:
         tree's accepted path, whose node indices `order` lists (`(batch, >= max(kept))`, on the device)."""
         rows = None
         if order is not None:  # each row's path through its last accepted node
-            last = order.gather(1, torch.tensor(kept, device=order.device)[:, None] - 1)
+            last = order.gather(1, upload(kept, order.device)[:, None] - 1)
             path = self._paths.node_path.gather(1, last).squeeze(1)
             rows = torch.arange(len(kept), device=order.device) * self._paths.paths + path
         for i, module in self.modules.items():
@@ -226,7 +222,7 @@ class LinearAttentionStates:
                 recorded, inputs = self._path_cache.layers[i].conv_states[0][rows], self._inputs[i][rows]
                 start = layer.recurrent_states[0]  # as before the verify; each group reads its own rows first
             verified = recorded.shape[-1] - window  # (batch, channels, window + verified)
-            starts = torch.tensor(kept, device=recorded.device)
+            starts = upload(kept, recorded.device)
             index = (starts[:, None] + torch.arange(window, device=recorded.device)[None, :])[:, None, :]
             layer.conv_states[0] = recorded.gather(2, index.expand(-1, recorded.shape[1], -1)).contiguous()
             layer.record_past = False
@@ -238,7 +234,7 @@ class LinearAttentionStates:
                     state = self._advanced(module, recorded, inputs, start, count, window)
                     layer.recurrent_states[0].copy_(state)
                     continue
-                group = torch.tensor(rows_kept, device=recorded.device)
+                group = upload(rows_kept, recorded.device)
                 state = self._advanced(module, recorded[group], inputs[group], start[group], count, window)
                 layer.recurrent_states[0].index_copy_(0, group, state.to(layer.recurrent_states[0].dtype))
         self._kept_states.clear()

@@ -180,3 +180,26 @@ def test_a_compiled_cycle_reads_the_device_once(target, monkeypatch, candidates,
         dflash_hf.generate(target, drafter, input_ids, compile=config, **call)
     cycles = tally["count"]["cycles"]
     assert cycles >= 4 and sum(tally["cycles"].values()) <= READS_PER_CYCLE * cycles, dict(tally["cycles"])
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("candidates", ["dflash", "dflash+lookup", "tree"])
+def test_a_hybrid_targets_cycle_reads_the_device_once(monkeypatch, candidates, batch):
+    """A hybrid target's rollback (and a tree's path batch) reads nothing: what it needs of the verdict is the kept
+    counts the cycle's one read brought to the host; the paths come from the host's trees."""
+    target = make_target("qwen3_5_text")
+    input_ids, attention_mask = _prompts(batch)
+    with counted_reads(monkeypatch) as tally:
+        dflash_hf.generate(
+            target,
+            make_drafter(target, block_size=BLOCK),
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=20,
+            candidates=candidates,
+            eos_token_id=[99],
+        )
+    cycles = tally["count"]["cycles"]
+    assert cycles >= 4
+    bound = TREE_READS_PER_CYCLE if candidates == "tree" else READS_PER_CYCLE
+    assert sum(tally["cycles"].values()) <= bound * cycles, (dict(tally["cycles"]), cycles)
