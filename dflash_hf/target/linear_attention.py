@@ -25,6 +25,7 @@ is [`_gate_inputs`].
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib.util
 import sys
 from collections.abc import Iterator
@@ -44,6 +45,8 @@ from transformers.cache_utils import (
 from ..runtime import upload
 
 LINEAR_ATTENTION = "linear_attention"
+# the `LinearAttentionStates` whose verify runs in this thread or task: its hooks act for that forward alone
+_VERIFYING: contextvars.ContextVar[LinearAttentionStates | None] = contextvars.ContextVar("verifying", default=None)
 
 
 def linear_attention_layers(config) -> list[int]:
@@ -151,8 +154,10 @@ class LinearAttentionStates:
     @contextlib.contextmanager
     def verifying(self, paths: PathBatch | None = None) -> Iterator[None]:
         """Around one verify forward: record each layer's convolution inputs and input rows; a chain also keeps each
-        recurrent state (the verify moves it), a tree (`paths`) runs on its paths' own cache."""
+        recurrent state (the verify moves it), a tree (`paths`) runs on its paths' own cache. The hooks act only in
+        this thread's (or task's) context: a concurrent call's forward on the same target passes them by."""
         self._paths = paths
+        token = _VERIFYING.set(self)
         if paths is not None:
             self._path_cache = self._paths_cache(paths.paths)
         handles = []
@@ -168,6 +173,7 @@ class LinearAttentionStates:
         try:
             yield
         finally:
+            _VERIFYING.reset(token)
             for handle in handles:
                 handle.remove()
 
@@ -186,20 +192,26 @@ class LinearAttentionStates:
             layer.activate_past_recording()
         return Cache(layers=layers)
 
-    def _to_paths(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _to_paths(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if _VERIFYING.get() is not self:
+            return None
         hidden_states = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
         paths = self._paths
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
         chains = flat[paths.nodes].view(-1, paths.length, hidden_states.shape[-1])
         return (), {**kwargs, "hidden_states": chains, "cache": self._path_cache, "attention_mask": None}
 
-    def _to_nodes(self, module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
+    def _to_nodes(self, module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
+        if _VERIFYING.get() is not self:
+            return None
         batch = output.shape[0] // self._paths.paths
         nodes = output.reshape(-1, output.shape[-1])[self._paths.outputs]
         return nodes.view(batch, -1, output.shape[-1])
 
     def _recorder(self, index: int):
         def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if _VERIFYING.get() is not self:
+                return
             self._inputs[index] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
 
         return record
