@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
+from torch._dynamo.testing import CompileCounter
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
     AutoConfig,
@@ -37,6 +38,15 @@ import dflash_hf
 from dflash_hf import DFlashConfig, DFlashDraftModel
 
 REPO = Path(__file__).resolve().parents[1]  # the repository: README.md, pyproject.toml, examples/
+
+
+class CountingBackend(CompileCounter):
+    """A dynamo backend that counts the graphs it gets and runs them as traced (no inductor), left itself by
+    `CompileConfig.to_dict`'s deep copy: the engine's compiled path, tested on CPU without compiling kernels."""
+
+    def __deepcopy__(self, memo):
+        return self
+
 
 # ------------------------------------------------------------------------------------- tiny targets and drafters
 

@@ -12,21 +12,47 @@ knows it on the host.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin, StaticLayer
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+    StaticLayer,
+)
 
 
-def static_cache(num_layers: int, max_cache_len: int) -> Cache:
-    """A cache of `num_layers` full-length `StaticLayer`s of `max_cache_len` positions (allocated at the first forward).
+def static_cache(num_layers: int, max_cache_len: int, linear_layers: frozenset[int] = frozenset()) -> Cache:
+    """A cache of `num_layers` full-length `StaticLayer`s of `max_cache_len` positions (allocated at the first forward),
+    with a `LinearAttentionLayer` (fixed-size states) at each of a hybrid target's `linear_layers`.
 
     Every layer holds the whole context, sliding-window layers included: the engine keeps each row contiguous, so the
     window is enforced by the attention mask exactly as with a `DynamicCache`, and the edits below stay plain slices.
     """
-    return Cache(layers=[StaticLayer(max_cache_len=max_cache_len) for _ in range(num_layers)])
+    return Cache(
+        layers=[
+            LinearAttentionLayer() if i in linear_layers else StaticLayer(max_cache_len=max_cache_len)
+            for i in range(num_layers)
+        ]
+    )
 
 
 def is_static(cache: Cache) -> bool:
     """Whether `cache` has fixed buffers (built by [`static_cache`])."""
     return any(isinstance(layer, StaticLayer) for layer in cache.layers)
+
+
+def attention_layer(cache: Cache) -> CacheLayerMixin:
+    """The first layer of `cache` that holds keys and values (a hybrid target's first layers may be linear attention):
+    the one whose length and buffers stand for all of them."""
+    return next(layer for layer in cache.layers if isinstance(layer, CacheLayerMixin))
+
+
+def empty(cache: Cache) -> None:
+    """Forget what `cache` holds: no positions filled, linear-attention states zeroed as before a first forward."""
+    truncate_cache(cache, 0)
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            layer.reset()
 
 
 def _layers(cache: Cache) -> list[CacheLayerMixin]:

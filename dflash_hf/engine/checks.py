@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 
 import torch
-from transformers import CompileConfig, GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.logits_process import (
     ClassifierFreeGuidanceLogitsProcessor,
     EncoderNoRepeatNGramLogitsProcessor,
@@ -215,11 +215,12 @@ def check_drafter(drafter) -> None:
         raise ValueError(f"`drafter` must be a DFlashDraftModel, got {type(drafter).__name__}.")
 
 
-def check_stateful_options(target: PreTrainedModel, compile_config: CompileConfig | None) -> None:
-    """Refuse `compile=True` on a hybrid target (linear-attention layers with a recurrent state): its static caches
-    hold keys and values only."""
-    if compile_config is not None:
+def check_compiled_stateful_options(target: PreTrainedModel, candidates: str) -> None:
+    """Refuse draft trees in a compiled call on a hybrid target (linear-attention layers with a recurrent state): each
+    tree's root-to-leaf paths run those layers as a batch of their own shape, a compiled graph per tree shape."""
+    if candidates == "tree":
         raise ValueError(
-            f"compile=True keeps the target's keys and values in static caches, which hold no recurrent states of "
-            f"{type(target).__name__}'s linear-attention layers: generate with compile=False (the default)."
+            f'candidates="tree" with compile=True on {type(target).__name__}: its linear-attention layers verify a tree '
+            "path by path, a compiled graph for every tree shape. Use compile=False for draft trees, or "
+            'candidates="dflash" or "dflash+lookup" (compiled, each cycle verifies the DFlash block).'
         )

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.generation.configuration_utils import CompileConfig
 
-from .cache_ops import static_cache, truncate_cache
+from .cache_ops import attention_layer, empty, static_cache
 
 STATIC_CACHE_MIN_LENGTH = 2048  # calls of usual lengths share one cache length (one compiled shape)
 
@@ -54,12 +54,20 @@ class StaticCachePool:
         self._lock = threading.Lock()
         self._free: weakref.WeakKeyDictionary[PreTrainedModel, dict[int, Cache]] = weakref.WeakKeyDictionary()
 
-    def take(self, model: PreTrainedModel, num_layers: int, batch: int, needed: int) -> Cache:
-        """An empty static cache for `batch` rows of at least `needed` positions: the free one of that batch size if
-        it is long enough and still of the model's dtype and device, else a new one."""
+    def take(
+        self,
+        model: PreTrainedModel,
+        num_layers: int,
+        batch: int,
+        needed: int,
+        linear_layers: frozenset[int] = frozenset(),
+    ) -> Cache:
+        """An empty static cache for `batch` rows of at least `needed` positions (linear-attention states at a hybrid
+        target's `linear_layers`): the free one of that batch size if it is long enough and still of the model's dtype
+        and device, else a new one."""
         with self._lock:
             cache = self._free.get(model, {}).pop(batch, None)
-        layer = None if cache is None else cache.layers[0]
+        layer = None if cache is None else attention_layer(cache)
         if (
             layer is None
             or layer.max_cache_len < needed
@@ -69,14 +77,14 @@ class StaticCachePool:
                 model.device,
             )
         ):
-            return static_cache(num_layers, static_cache_length(needed))
-        truncate_cache(cache, 0)  # what it holds is hidden: every forward writes before it attends
+            return static_cache(num_layers, static_cache_length(needed), linear_layers)
+        empty(cache)  # what it held is hidden: every forward writes before it attends; states start from zero
         return cache
 
     def give_back(self, model: PreTrainedModel, batch: int, cache: Cache) -> None:
         """Keep `cache` for the next call of `batch` rows, if it was allocated and still has them (rows that finish
         while others run leave through smaller buffers)."""
-        layer = cache.layers[0]
+        layer = attention_layer(cache)
         if not getattr(layer, "is_initialized", False) or layer.keys.shape[0] != batch:
             return
         with self._lock:

@@ -31,7 +31,7 @@ from .acceptance import DEFAULT_SAMPLING_PROPOSAL
 from .block_size import BlockSizePolicy, make_block_size_policy
 from .cache_ops import drop_leading, is_static, keep_path, select_rows, shift_cache_right, shift_right, truncate_cache
 from .candidates import DEFAULT_CANDIDATES, CandidatePlan, DFlashChain, Readout, Verdict, candidate_source
-from .checks import check_drafter, check_options, check_stateful_options
+from .checks import check_compiled_stateful_options, check_drafter, check_options
 from .compilation import STATIC_CACHES, compile_config_of
 from .lookup import Lookups
 from .oracle import OracleDrafts, oracle_chain
@@ -127,8 +127,9 @@ class GenerationCall:
         # trees (the lookup branch, the draft tree) need greedy verification and a processor that scores every node
         # alone; sampling verifies the DFlash block (the chain) alone
         tree_verify = not do_sample and (process.is_identity or process.prefix_free)
-        if self.linear_states is not None:
-            check_stateful_options(self.adapter.target, self.compile_config)
+        if self.linear_states is not None and self.compile_config is not None:
+            check_compiled_stateful_options(self.adapter.target, candidates)
+            tree_verify = False  # a path batch per tree shape would compile a graph each: the chain, at fixed widths
         self.plan = CandidatePlan(candidates, self.max_block, lookup_tokens, tree_verify)
         if self.plan.source == "tree" and self.choice.selector is not None:
             raise ValueError(
@@ -176,7 +177,10 @@ class GenerationCall:
         drafter's also a padded pending context and a block (a drafter on flash attention, which takes no 4-D masks,
         keeps its dynamic cache and runs eagerly)."""
         needed = self.sequences.max_length + self.plan.verify_width
-        self.target_cache = STATIC_CACHES.take(self.adapter.target, self.adapter.num_layers, self.batch, needed)
+        linear = frozenset(self.linear_states.modules) if self.linear_states is not None else frozenset()
+        self.target_cache = STATIC_CACHES.take(self.adapter.target, self.adapter.num_layers, self.batch, needed, linear)
+        if self.linear_states is not None:
+            self.linear_states.cache = self.target_cache
         if "flash" not in (self.drafter.config._attn_implementation or ""):
             layers = int(self.drafter.config.num_hidden_layers)
             needed += self.plan.verify_width + self.max_block

@@ -21,6 +21,7 @@ from ..target import row_exact
 from ..target.adapter import TargetAdapter
 from ..target.linear_attention import LINEAR_ATTENTION, LinearAttentionStates, path_batch
 from ..target.windows import sliding_window_of
+from .cache_ops import attention_layer
 from .candidates import Proposal, Verdict
 from .rows import ActiveRows
 from .token_choice import TokenChoice
@@ -71,7 +72,7 @@ class Verifier:
                 stacklevel=6,
             )
         self.sliding_window = sliding_window_of(adapter.target.config)
-        self.keys = cache.layers[0].max_cache_len if compile_config is not None else None
+        self.keys = attention_layer(cache).max_cache_len if compile_config is not None else None
 
     @staticmethod
     def _layer_masks(mask: torch.Tensor | dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
@@ -102,10 +103,9 @@ class Verifier:
                 width = block_ids.shape[1]
                 causal = torch.ones(width, width, dtype=torch.bool, device=block_ids.device).tril()
                 dtype = self.adapter.embed_tokens.weight.dtype
+                causal = causal.expand(len(state.rows), -1, -1)
                 mask = self._layer_masks(
-                    tree_attention_mask(
-                        state.mask, causal.expand(len(state.rows), -1, -1), dtype, block_pos, self.sliding_window
-                    )
+                    tree_attention_mask(state.mask, causal, dtype, block_pos, self.sliding_window, self.keys)
                 )
             step = self.adapter.forward(block_ids, mask, block_pos, self.cache, self.compile_config)
             target_logits = self.adapter.logits(step.last_hidden_state)

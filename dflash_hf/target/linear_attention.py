@@ -177,6 +177,11 @@ class LinearAttentionStates:
             for handle in handles:
                 handle.remove()
 
+    def _acts_here(self) -> bool:
+        """Whether this object's hooks act for the forward running now: a verify of its own call (a compiled forward
+        runs alone, `runtime.compiled_call`, and dynamo traces no context variable)."""
+        return torch.compiler.is_compiling() or _VERIFYING.get() is self
+
     def _paths_cache(self, count: int) -> Cache:
         """A cache whose linear-attention layers start from the main cache's states, each row's repeated for its
         `count` paths, recording their convolution inputs."""
@@ -193,7 +198,7 @@ class LinearAttentionStates:
         return Cache(layers=layers)
 
     def _to_paths(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if _VERIFYING.get() is not self:
+        if not self._acts_here():
             return None
         hidden_states = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
         paths = self._paths
@@ -202,7 +207,7 @@ class LinearAttentionStates:
         return (), {**kwargs, "hidden_states": chains, "cache": self._path_cache, "attention_mask": None}
 
     def _to_nodes(self, module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
-        if _VERIFYING.get() is not self:
+        if not self._acts_here():
             return None
         batch = output.shape[0] // self._paths.paths
         nodes = output.reshape(-1, output.shape[-1])[self._paths.outputs]
@@ -210,7 +215,7 @@ class LinearAttentionStates:
 
     def _recorder(self, index: int):
         def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if _VERIFYING.get() is not self:
+            if not self._acts_here():
                 return
             self._inputs[index] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from testing_utils import (
+    CountingBackend,
     assert_rows_are_greedy,
     corrupt_slots,
     greedy_reference,
@@ -17,7 +18,6 @@ from testing_utils import (
     make_oracle,
     make_target,
 )
-from torch._dynamo.testing import CompileCounter
 from transformers import CompileConfig
 from transformers.cache_utils import DynamicCache
 
@@ -25,13 +25,6 @@ import dflash_hf
 from dflash_hf.engine import cache_ops, compilation
 
 MAX_NEW = 24
-
-
-class _Counter(CompileCounter):
-    """A counting backend that `CompileConfig.to_dict`'s deep copy leaves itself."""
-
-    def __deepcopy__(self, memo):
-        return self
 
 
 @pytest.fixture(autouse=True)
@@ -42,9 +35,9 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _compile_config(fullgraph: bool = True) -> tuple[CompileConfig, _Counter]:
+def _compile_config(fullgraph: bool = True) -> tuple[CompileConfig, CountingBackend]:
     """A config on a counting backend; `fullgraph=False` for the test oracle, whose lookups run outside the graph."""
-    counter = _Counter()
+    counter = CountingBackend()
     return CompileConfig(backend=counter, mode=None, fullgraph=fullgraph), counter
 
 

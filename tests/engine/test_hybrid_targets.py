@@ -12,6 +12,7 @@ from testing_utils import (
     COMMON,
     HYBRID_FAMILIES,
     WRAPPERS,
+    CountingBackend,
     assert_rows_are_greedy,
     chi_square,
     chi_square_bound,
@@ -25,7 +26,7 @@ from testing_utils import (
     make_wrapped_target,
     tiny_sampling_models,
 )
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, CompileConfig
 
 import dflash_hf
 from dflash_hf import DFlashConfig, DFlashDraftModel
@@ -110,12 +111,44 @@ def test_hybrid_and_gemma4_targets_stop_at_eos_inside_a_block(hybrid):
         assert torch.equal(out[i, input_ids.shape[1] : input_ids.shape[1] + len(generated)], generated), (family, i)
 
 
-def test_compile_is_refused_on_a_recurrent_state():
-    target = make_target("qwen3_5_text")
-    drafter = make_drafter(target)
+@pytest.mark.parametrize(
+    ("family", "candidates"),
+    [
+        ("qwen3_5_text", "dflash"),
+        ("qwen3_5_text", "dflash+lookup"),
+        ("qwen3_5_moe_text", "dflash+lookup"),
+        ("qwen3_next", "dflash"),
+    ],
+)
+def test_compiled_hybrid_targets_are_exact_with_one_graph_per_width(family, candidates):
+    """`compile=True` on a hybrid target: static keys and values, fixed-size linear-attention states, the recurrent
+    rollback after each compiled verify; traced whole (`fullgraph`) with a random drafter, and exact with partial
+    acceptances in a padded batch (the test oracle's lookups run outside the graph), where a second call compiles
+    nothing new (its cache from the pool, its states zeroed)."""
+    torch._dynamo.reset()
+    target, references = _prepared(make_target(family))
     prompt = torch.tensor([PROMPTS[0]])
-    with pytest.raises(ValueError, match="compile=True.*recurrent states.*compile=False"):
-        dflash_hf.generate(target, drafter, prompt, max_new_tokens=4, compile=True)
+    whole = CompileConfig(backend=CountingBackend(), mode=None, fullgraph=True)
+    out = dflash_hf.generate(
+        target, make_drafter(target), prompt, max_new_tokens=MAX_NEW, candidates=candidates, compile=whole
+    )
+    assert torch.equal(out, greedy_reference(target, prompt, max_new_tokens=MAX_NEW))
+    torch._dynamo.reset()
+    backend = CountingBackend()
+    config = CompileConfig(backend=backend, mode=None, fullgraph=False)
+    graphs = []
+    for call in range(2):
+        out, input_ids = _generate(target, references, candidates=candidates, block_size=4, compile=config)
+        assert_rows_are_greedy(out.sequences, input_ids.shape[1], PROMPTS, references, (family, candidates, call))
+        graphs.append(backend.frame_count)
+    assert graphs[0] > 0 and graphs[1] == graphs[0]  # compiled, then nothing recompiled
+    torch._dynamo.reset()
+
+
+def test_compiled_draft_trees_are_refused_on_a_recurrent_state():
+    target = make_target("qwen3_5_text")
+    with pytest.raises(ValueError, match='candidates="tree" with compile=True.*compile=False'):
+        dflash_hf.generate(target, make_drafter(target), torch.tensor([PROMPTS[0]]), candidates="tree", compile=True)
 
 
 def test_drafters_from_hybrid_and_gemma4_configs():
