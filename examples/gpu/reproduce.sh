@@ -69,7 +69,7 @@ if runs pair; then
     done
 fi
 
-# 4. today's targets: the ceiling on each shape (eager: a hybrid target refuses --compile)
+# 4. today's targets: the ceiling on each shape, eager
 if runs today; then
     for target in $TODAY_TARGETS; do
         bench --target "$target" --dtype bfloat16 --block-sizes 16 --oracle "$ORACLE" --no-adaptive \
