@@ -169,27 +169,6 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
         bos_token_id=248044,
         eos_token_id=248046,
     ),
-    "qwen3.5-0.8b": dict(
-        model_type="qwen3_5_text",
-        hidden_size=1024,
-        intermediate_size=3584,
-        num_hidden_layers=24,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=16,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        vocab_size=248320,
-        max_position_embeddings=262144,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-        tie_word_embeddings=True,
-        bos_token_id=248044,
-        eos_token_id=248046,
-    ),
     # Gemma 4: five sliding layers (head 256, window 1024) per full one (head 512, 4 key/value heads shared by keys
     # and values), softcapped logits
     "gemma-4-31b": dict(
@@ -238,6 +217,10 @@ RANDOM_SHAPES["tiny-qwen3-moe"] = {
 RANDOM_SHAPES["tiny-gpt-oss"] = {
     **RANDOM_SHAPES["gpt-oss-20b"], **_TINY, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16,
     "layer_types": ["sliding_attention", "full_attention"] * 4, "pad_token_id": 509,
+}  # fmt: skip
+RANDOM_SHAPES["qwen3.5-0.8b"] = {
+    **RANDOM_SHAPES["qwen3.5-9b"], "hidden_size": 1024, "intermediate_size": 3584, "num_hidden_layers": 24,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "linear_num_value_heads": 16, "tie_word_embeddings": True,
 }  # fmt: skip
 RANDOM_SHAPES["qwen3.6-27b"] = {
     **RANDOM_SHAPES["qwen3.5-9b"], "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 64,

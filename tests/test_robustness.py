@@ -88,8 +88,9 @@ def _cli(capsys, argv: list[str]) -> tuple[int, list[str], list[str]]:
 # (1) concurrent calls on one shared target and drafter
 
 
-def test_concurrent_calls_on_a_shared_target_match_greedy(pair):
-    target, drafter = pair
+def _concurrent_calls_match_greedy(target, drafter, candidates=("dflash+lookup",)) -> None:
+    """Four threads, three calls each on one shared target and drafter (the calls' `candidates` in turn): every
+    output plain greedy's."""
     torch.manual_seed(0)
     prompts = [torch.randint(3, 60, (1, n)) for n in (5, 9, 13, 7)]
     references = [greedy_reference(target, p, max_new_tokens=MAX_NEW) for p in prompts]
@@ -98,10 +99,13 @@ def test_concurrent_calls_on_a_shared_target_match_greedy(pair):
     def worker(offset: int) -> None:
         for k in range(3):
             i = (offset + k) % len(prompts)
+            source = candidates[(offset + k) % len(candidates)]
             try:
-                out = dflash_hf.generate(target, drafter, prompts[i], max_new_tokens=MAX_NEW, do_sample=False)
+                out = dflash_hf.generate(
+                    target, drafter, prompts[i], max_new_tokens=MAX_NEW, do_sample=False, candidates=source
+                )
                 if not torch.equal(out, references[i]):
-                    failures.append(f"prompt {i}: differs from greedy")
+                    failures.append(f"prompt {i} ({source}): differs from greedy")
             except Exception as err:  # noqa: BLE001 - every failure is reported by the assertion below
                 failures.append(f"prompt {i}: {type(err).__name__}: {err}")
 
@@ -111,6 +115,17 @@ def test_concurrent_calls_on_a_shared_target_match_greedy(pair):
     for thread in threads:
         thread.join()
     assert failures == []
+
+
+def test_concurrent_calls_on_a_shared_target_match_greedy(pair):
+    _concurrent_calls_match_greedy(*pair)
+
+
+def test_concurrent_calls_on_a_shared_hybrid_target_match_greedy():
+    """A hybrid target's verify attaches hooks to its linear-attention layers (shared modules): each call's act for
+    its own forwards only, so calls in four threads, chains and trees mixed, each stay plain greedy."""
+    target = make_target("qwen3_5_text")
+    _concurrent_calls_match_greedy(target, make_drafter(target), ("dflash", "tree", "dflash+lookup"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -646,32 +661,3 @@ def test_atomic_folder_write_never_writes_through_planted_links(tmp_path):
         (tmp_path / name).symlink_to(victim)
     fileio.atomic_write_folder(tmp_path / "out", lambda staging: (staging / "a.txt").write_text("new"))
     assert not any(victim.iterdir()) and (tmp_path / "out" / "a.txt").read_text() == "new"
-
-
-def test_concurrent_calls_on_a_shared_hybrid_target_match_greedy():
-    """A hybrid target's verify attaches hooks to its linear-attention layers (shared modules): each call's act for
-    its own forwards only, so calls in four threads, chains and trees mixed, each stay plain greedy."""
-    target = make_target("qwen3_5_text")
-    drafter = make_drafter(target)
-    torch.manual_seed(0)
-    prompts = [torch.randint(3, 60, (1, n)) for n in (5, 9, 13, 7)]
-    references = [greedy_reference(target, p, max_new_tokens=MAX_NEW) for p in prompts]
-    failures: list[str] = []
-
-    def worker(offset: int) -> None:
-        for k in range(3):
-            i = (offset + k) % len(prompts)
-            candidates = ("dflash", "tree", "dflash+lookup")[(offset + k) % 3]
-            try:
-                out = dflash_hf.generate(target, drafter, prompts[i], max_new_tokens=MAX_NEW, candidates=candidates)
-                if not torch.equal(out, references[i]):
-                    failures.append(f"prompt {i} ({candidates}): differs from greedy")
-            except Exception as err:  # noqa: BLE001 - every failure is reported by the assertion below
-                failures.append(f"prompt {i}: {type(err).__name__}: {err}")
-
-    threads = [threading.Thread(target=worker, args=(offset,)) for offset in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert failures == []

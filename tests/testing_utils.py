@@ -609,6 +609,32 @@ def tiny_sampling_models():
     return target, drafter
 
 
+def tiny_sampling_target(model_type: str, **extra):
+    """`(target, drafter)` as [`tiny_sampling_models`] gives them, the target of `model_type` (with its family's
+    `extra` settings: experts, linear-attention heads) at the same small sizes."""
+    dense, _ = tiny_sampling_models()
+    config = AutoConfig.for_model(
+        model_type,
+        **{k: getattr(dense.config, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers")},
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        initializer_range=0.5,
+        pad_token_id=0,
+        eos_token_id=None,
+        **extra,
+    )
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(config).eval()
+    target.generation_config.eos_token_id, target.generation_config.pad_token_id = None, 0
+    torch.manual_seed(1)
+    drafter = DFlashDraftModel(
+        DFlashConfig.from_target(config, num_hidden_layers=1, block_size=4, num_target_features=2)
+    )
+    return target, drafter.eval()
+
+
 def _processed_probs(target, sequences: torch.Tensor) -> torch.Tensor:
     warpers = LogitsProcessorList([TemperatureLogitsWarper(TEMPERATURE), TopKLogitsWarper(TOP_K)])
     with torch.no_grad():

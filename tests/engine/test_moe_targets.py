@@ -18,12 +18,11 @@ from testing_utils import (
     make_drafter,
     make_oracle,
     make_target,
-    tiny_sampling_models,
+    tiny_sampling_target,
 )
-from transformers import AutoConfig, AutoModelForCausalLM
 
 import dflash_hf
-from dflash_hf import DFlashConfig, DFlashDraftModel
+from dflash_hf import DFlashDraftModel
 from dflash_hf.random_targets import random_config
 from dflash_hf.target.support import SUPPORTED_TARGET_TYPES
 
@@ -89,32 +88,9 @@ def test_moe_drafter_taps_and_routers_untouched(moe):
 
 def test_sampling_on_a_moe_target_is_exact_in_distribution():
     """A tiny Qwen3-MoE over 8 ids: tokens 2 and 3 of speculative samples follow plain sampling's joint."""
-    dense, _ = tiny_sampling_models()
-    config = AutoConfig.for_model(
-        "qwen3_moe",
-        **{k: getattr(dense.config, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers")},
-        intermediate_size=32,
-        moe_intermediate_size=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        initializer_range=0.5,
-        pad_token_id=0,
-        eos_token_id=None,
-    )
-    torch.manual_seed(0)
-    target = AutoModelForCausalLM.from_config(config).eval()
-    target.generation_config.eos_token_id, target.generation_config.pad_token_id = None, 0
-    torch.manual_seed(1)
-    drafter = DFlashDraftModel(
-        DFlashConfig.from_target(config, num_hidden_layers=1, block_size=4, num_target_features=2)
-    )
+    target, drafter = tiny_sampling_target("qwen3_moe", moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
     prompt = torch.tensor([[1, 2, 3, 4]])
-    statistic, cells = chi_square(
-        target, drafter.eval(), prompt, exact_joint_of_tokens_2_and_3(target, prompt), "sample"
-    )
+    statistic, cells = chi_square(target, drafter, prompt, exact_joint_of_tokens_2_and_3(target, prompt), "sample")
     assert statistic < chi_square_bound(cells), statistic
 
 
