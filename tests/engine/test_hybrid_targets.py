@@ -214,3 +214,22 @@ def test_real_shapes_and_their_scaled_down_twins(shape, model_type, layers):
     for candidates in ("dflash", "tree"):
         out = dflash_hf.generate(twin, drafter, prompt, max_new_tokens=8, candidates=candidates)
         assert torch.equal(out, greedy_reference(twin, prompt, max_new_tokens=8))
+
+
+def test_compiled_hybrid_rows_that_stop_early_leave_the_batch_exactly():
+    """Compiled on a hybrid target, rows that reach EOS leave the batch (their keys, values and linear-attention
+    states with them) and the others go on exactly."""
+    torch._dynamo.reset()
+    target, references = _prepared(make_target("qwen3_5_text"))
+    eos = int(references[1][len(PROMPTS[1]) + 3])  # the second row stops early
+    oracle = make_oracle(target, [r.tolist() for r in references], corrupt=corrupt_slots(3))
+    input_ids, mask = left_padded(PROMPTS)
+    config = CompileConfig(backend=CountingBackend(), mode=None, fullgraph=False)
+    out = dflash_hf.generate(
+        target, oracle, input_ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, compile=config
+    )
+    for i, prompt in enumerate(PROMPTS):
+        reference = target.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos)
+        generated = reference[0, len(prompt) :]
+        assert torch.equal(out[i, input_ids.shape[1] : input_ids.shape[1] + len(generated)], generated), i
+    torch._dynamo.reset()
