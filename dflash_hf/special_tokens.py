@@ -32,7 +32,8 @@ def configure_generation(model: PreTrainedModel, tokenizer: PreTrainedTokenizerB
     The pad id is the tokenizer's pad token, else the first EOS id; the tokenizer gets the same pad token.
     """
     generation_config = model.generation_config
-    eos_ids = token_ids(generation_config.eos_token_id, model.config.eos_token_id, tokenizer.eos_token_id)
+    text = model.config.get_text_config(decoder=True)  # a multimodal wrapper's ids live in its text config
+    eos_ids = token_ids(generation_config.eos_token_id, getattr(text, "eos_token_id", None), tokenizer.eos_token_id)
     if eos_ids:
         generation_config.eos_token_id = eos_ids[0] if len(eos_ids) == 1 else eos_ids
     pad_id = first_token_id(tokenizer.pad_token_id, generation_config.pad_token_id, eos_ids)

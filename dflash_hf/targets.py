@@ -21,7 +21,8 @@ The cache (`target_cache`) is checked before every load and rebuilt when it is n
 of that public model's shape with random weights directly on the device (`dflash_hf.random_targets`): real sizes for
 speed measurements, nothing to download.
 
-Any other name is passed to `AutoModelForCausalLM.from_pretrained` unchanged (a local folder or a Hub id).
+Any other name is passed to `AutoModelForCausalLM.from_pretrained` unchanged (a local folder or a Hub id), or to
+`AutoModelForImageTextToText` for a model Transformers loads only in its multimodal wrapper (Muse-Glimmer, Kimi K2.5).
 
     >>> from dflash_hf.targets import load_target
     >>> model, tokenizer = load_target("smollm2-135m")
@@ -40,10 +41,16 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     GenerationConfig,
+    PreTrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+)
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
 )
 
 from .gguf_chunks import ChunkedGGUF, package_folder
@@ -248,6 +255,16 @@ def _target_source(name_or_path: str | os.PathLike, rebuild: bool = False, progr
     return source
 
 
+def _model_class(config: PreTrainedConfig) -> type:
+    """The Auto class that loads a target of `config`: `AutoModelForCausalLM`, or for a model Transformers loads only
+    in its multimodal wrapper (Muse-Glimmer, Kimi K2.5) `AutoModelForImageTextToText`, whose text decoder DFlash runs."""
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and (
+        config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    ):
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def load_target_shell(
     name_or_path: str | os.PathLike, progress: bool = True
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -258,7 +275,7 @@ def load_target_shell(
     try:
         config = AutoConfig.from_pretrained(source)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = _model_class(config).from_config(config)
         with contextlib.suppress(OSError):
             model.generation_config = GenerationConfig.from_pretrained(source)
         tokenizer = AutoTokenizer.from_pretrained(source)
@@ -295,7 +312,8 @@ def load_target(
         return build_random_target(os.fspath(name_or_path), resolve_dtype(dtype, device), device)
     source = _target_source(name_or_path, rebuild, progress)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, device))
+        model_class = _model_class(AutoConfig.from_pretrained(source))
+        model = model_class.from_pretrained(source, dtype=resolve_dtype(dtype, device))
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:
         raise ValueError(f"Could not load target {source!r}: {err}".replace("\n", " ")) from err

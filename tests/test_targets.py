@@ -285,3 +285,20 @@ def test_the_hashed_tokenizer_takes_any_text(text):
     ids = tokenizer(text)["input_ids"]
     assert ids == tokenizer(text)["input_ids"] and all(0 <= i < 511 for i in ids)
     assert len(ids) == len(tokenizer.tokenize(text))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "gemma4", "muse_glimmer", "kimi_k25"])
+def test_a_multimodal_target_folder_loads_and_generates(model_type, tmp_path):
+    """A saved multimodal model loads as Transformers loads it (a causal LM where there is one, else its
+    `AutoModelForImageTextToText` wrapper), its end token read from its text config, and generates text exactly."""
+    from testing_utils import greedy_reference, make_drafter, make_tokenizer, make_wrapped_target
+
+    from dflash_hf import generate
+
+    make_wrapped_target(model_type).save_pretrained(tmp_path)
+    make_tokenizer().save_pretrained(tmp_path)
+    target, _ = load_target(tmp_path, dtype="float32")
+    assert target.generation_config.eos_token_id == 2
+    prompt = torch.tensor([[5, 7, 3, 9]])
+    out = generate(target, make_drafter(target), prompt, max_new_tokens=8)
+    assert torch.equal(out, greedy_reference(target, prompt, max_new_tokens=8))
