@@ -51,6 +51,19 @@ def test_qwen3_mask_token_is_first_spare_row():
     assert config.mask_token_id == 151669
 
 
+def test_a_tokenizers_own_mask_token_is_the_mask():
+    """A tokenizer that declares a mask token (Gemma's `<mask>`, 4, as z-lab's Gemma 4 drafters use) gives it."""
+
+    class GemmaTokenizer:
+        mask_token_id = 4
+
+        def __len__(self):
+            return 64
+
+    config = DFlashConfig.from_target(make_target_config("gemma3"), num_target_features=2, tokenizer=GemmaTokenizer())
+    assert config.mask_token_id == 4
+
+
 def test_gguf_tokenizer_placeholders_are_spare_rows():
     """A tokenizer read from a GGUF lists every embedding row, the spare ones as `[PADn]`: those are not its tokens."""
 

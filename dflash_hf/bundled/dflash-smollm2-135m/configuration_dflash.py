@@ -635,9 +635,10 @@ class DFlashConfig(PreTrainedConfig):
         target applies before its softcap (`output_multiplier`), and `target_layer_ids` is always written out
         explicitly.
 
-        Mask token choice when `mask_token_id` is not given: the first embedding row past the tokenizer's real
-        tokens ([`real_token_count`]) when a `tokenizer` is passed and the embedding has spare rows (Qwen3: 151669,
-        the id of the official drafts; Qwen2.5: 151665); otherwise the last embedding row (`vocab_size - 1`). The mask row only feeds the drafter's masked slots; a
+        Mask token choice when `mask_token_id` is not given: the tokenizer's own mask token when a `tokenizer` that
+        declares one is passed (`tokenizer.mask_token_id`); else the first embedding row past the tokenizer's real
+        tokens ([`real_token_count`]) when the embedding has spare rows (Qwen3: 151669, the id of the official drafts;
+        Qwen2.5: 151665); otherwise the last embedding row (`vocab_size - 1`). The mask row only feeds the drafter's masked slots; a
         generated token that happens to have the same id is an ordinary token everywhere else.
         """
         text = _global_values(_text_config(target_config))
@@ -646,8 +647,12 @@ class DFlashConfig(PreTrainedConfig):
             target_layer_ids = default_target_layer_ids(num_target_layers, num_target_features)
         vocab_size = int(text.vocab_size)
         if mask_token_id is None:
+            own = getattr(tokenizer, "mask_token_id", None)
             used = real_token_count(tokenizer) if tokenizer is not None else None
-            mask_token_id = used if used is not None and used < vocab_size else vocab_size - 1
+            if isinstance(own, int) and 0 <= own < vocab_size:  # Gemma's `<mask>` (4), as z-lab's Gemma 4 drafters
+                mask_token_id = own
+            else:
+                mask_token_id = used if used is not None and used < vocab_size else vocab_size - 1
         num_heads = int(text.num_attention_heads)
         head_dim = getattr(text, "head_dim", None) or int(text.hidden_size) // num_heads
         hidden_act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu"
