@@ -125,9 +125,9 @@ def test_a_drafter_cache_no_longer_than_the_targets_drops_the_padding_in_time(mo
     asked = {}
     take = compilation.STATIC_CACHES.take
 
-    def same_length(model, num_layers, batch, needed):
-        asked.setdefault(model is target, needed)
-        return take(model, num_layers, batch, asked[True])  # the target asks first: the drafter gets its length
+    def same_length(model, num_layers, batch, needed, linear_layers=frozenset()):
+        asked.setdefault(model is target, needed)  # the target asks first: the drafter gets its length
+        return take(model, num_layers, batch, asked[True], linear_layers)
 
     monkeypatch.setattr(compilation, "static_cache_length", lambda needed: needed)
     monkeypatch.setattr(compilation.STATIC_CACHES, "take", same_length)
