@@ -225,11 +225,15 @@ class LinearAttentionStates:
     def keep(self, kept: list[int], order: torch.LongTensor | None = None) -> None:
         """Make every layer's states those after each row's first `kept[row]` verified tokens: of the chain, or of a
         tree's accepted path, whose node indices `order` lists (`(batch, >= max(kept))`, on the device)."""
+        device = next(iter(self._inputs.values())).device
+        starts = upload(kept, device)  # the same for every layer: uploaded once per cycle
         rows = None
         if order is not None:  # each row's path through its last accepted node
-            last = order.gather(1, upload(kept, order.device)[:, None] - 1)
+            last = order.gather(1, starts[:, None] - 1)
             path = self._paths.node_path.gather(1, last).squeeze(1)
-            rows = torch.arange(len(kept), device=order.device) * self._paths.paths + path
+            rows = torch.arange(len(kept), device=device) * self._paths.paths + path
+        groups = {count: [r for r, n in enumerate(kept) if n == count] for count in sorted(set(kept))}
+        group_rows = {count: upload(members, device) for count, members in groups.items() if len(members) < len(kept)}
         for i, module in self.modules.items():
             layer = self._layer(i)
             window = layer.conv_kernel_size[0]
@@ -239,19 +243,16 @@ class LinearAttentionStates:
                 recorded, inputs = self._path_cache.layers[i].conv_states[0][rows], self._inputs[i][rows]
                 start = layer.recurrent_states[0]  # as before the verify; each group reads its own rows first
             verified = recorded.shape[-1] - window  # (batch, channels, window + verified)
-            starts = upload(kept, recorded.device)
-            index = (starts[:, None] + torch.arange(window, device=recorded.device)[None, :])[:, None, :]
+            index = (starts[:, None] + torch.arange(window, device=device)[None, :])[:, None, :]
             layer.conv_states[0] = recorded.gather(2, index.expand(-1, recorded.shape[1], -1)).contiguous()
             layer.record_past = False
-            for count in sorted(set(kept)):
+            for count in groups:
                 if rows is None and count == verified:  # the chain verify's own state: the one after its last token
                     continue
-                rows_kept = [r for r, n in enumerate(kept) if n == count]
-                if len(rows_kept) == len(kept):  # one group: no copies of its rows
-                    state = self._advanced(module, recorded, inputs, start, count, window)
-                    layer.recurrent_states[0].copy_(state)
+                group = group_rows.get(count)
+                if group is None:  # one group: no copies of its rows
+                    layer.recurrent_states[0].copy_(self._advanced(module, recorded, inputs, start, count, window))
                     continue
-                group = upload(rows_kept, recorded.device)
                 state = self._advanced(module, recorded[group], inputs[group], start[group], count, window)
                 layer.recurrent_states[0].index_copy_(0, group, state.to(layer.recurrent_states[0].dtype))
         self._kept_states.clear()
